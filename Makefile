@@ -1,0 +1,24 @@
+# The two commands of README.md: `make demo` and `make test`. Both build .venv first:
+# torch==2.13.0 before the project, because any other torch spec pulls CUDA packages.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: demo test venv clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[torch,test]'
+	touch $@
+
+demo: venv
+	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
+
+test: venv
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

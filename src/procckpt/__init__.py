@@ -1,0 +1,20 @@
+"""procckpt: checkpoint, requeue and resume PyTorch training across scheduler time limits."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["Checkpointer", "__version__"]
+
+if TYPE_CHECKING:
+    from .state import Checkpointer
+
+
+def __getattr__(name: str) -> Any:
+    # The launcher imports this package too and must not pay for importing torch.
+    if name == "Checkpointer":
+        from .state import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'procckpt' has no attribute {name!r}")

@@ -1,0 +1,136 @@
+"""The ``procckpt`` command. Thin: parse, build the config, call, map errors to exit codes."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__
+from .config import ENGINES, RunConfig, load_config
+from .deadline import Deadline, LocalDeadline, NoDeadline
+from .errors import EX_USAGE, CommandNotFoundError, ProcckptError
+from .log import setup_logging
+from .requeue import LocalRestart, RestartPolicy
+from .store import CheckpointStore
+
+__all__ = ["main", "cli"]
+
+logger = logging.getLogger("procckpt")
+
+DURATION_HELP = "e.g. 90s, 15m, 2h, 1:30:00"
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="procckpt")
+def cli() -> None:
+    """Checkpoint, requeue and resume PyTorch training across time limits."""
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--dir", "dir_", metavar="DIR", help="Checkpoint directory "
+              "[default: ./procckpt-checkpoints].")
+@click.option("--time-limit", metavar="DURATION", help=f"Time limit of each cycle ({DURATION_HELP}).")
+@click.option("--grace", metavar="DURATION",
+              help="Ask for the checkpoint this long before the deadline [default: 60s, at "
+                   "most a quarter of --time-limit].")
+@click.option("--interval", metavar="DURATION", help="Also checkpoint this often, without stopping.")
+@click.option("--max-restarts", metavar="N", help="Restart (or requeue) at most N times [20].")
+@click.option("--restart-on-failure/--no-restart-on-failure", default=None,
+              help="Also restart a command that crashed, from its last checkpoint.")
+@click.option("--engine", type=click.Choice(ENGINES), default=None, help="Snapshot engine [auto].")
+@click.option("--keep", metavar="N", help="Keep the last N checkpoints (plus the best) [2].")
+@click.option("--force", is_flag=True, default=None,
+              help="Train again even if the run finished (old checkpoints are archived).")
+@click.option("--term-timeout", metavar="DURATION", help="Wait this long after SIGTERM before "
+              "SIGKILL [10s].")
+@click.option("--checkpoint-signal", metavar="SIG", help="Signal meaning 'checkpoint now, then "
+              "stop' besides SIGTERM [USR1].")
+@click.option("--config", "config_path", metavar="FILE", help="Config file [./procckpt.yaml].")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def run(command: tuple[str, ...], config_path: str | None, dir_: str | None,
+        **options: Any) -> None:
+    """Run COMMAND, checkpoint it before its deadline, and restart it until it finishes.
+
+    \b
+    Example:
+        procckpt run --time-limit 15m -- python train.py
+    """
+    config = load_config({"dir": dir_, **options}, list(command), config_path=config_path)
+    sys.exit(run_command(config))
+
+
+def run_command(config: RunConfig) -> int:
+    """Everything ``procckpt run`` does after parsing; returns the exit code."""
+    from .engines.hooks import HooksEngine
+    from .supervisor import Supervisor
+
+    exe = config.command[0]
+    if "/" not in exe and shutil.which(exe) is None:
+        raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
+    store = CheckpointStore(config.dir, keep=config.keep).open()
+    with store.lock():
+        complete = store.is_complete()
+        if complete and not config.force:
+            logger.info("the run in %s already finished (step %s); nothing to do. Use --force "
+                        "or a new --dir to train again", store.root, complete.get("step"))
+            return 0
+        if config.force:
+            archived = store.archive()
+            if archived is not None:
+                logger.info("--force: earlier checkpoints moved to %s", archived)
+        store.clean_temporaries()
+        engine = HooksEngine(store)
+        deadline, policy = _deadline_and_policy(config)
+        result = Supervisor(config, store, engine, deadline, policy).run()
+        return result.exit_code
+
+
+def _deadline_and_policy(config: RunConfig) -> tuple[Deadline, RestartPolicy]:
+    deadline: Deadline = (LocalDeadline(config.time_limit) if config.time_limit is not None
+                          else NoDeadline())
+    return deadline, LocalRestart(config.max_restarts)
+
+
+@cli.command()
+@click.argument("directory", required=False, default="procckpt-checkpoints")
+@click.option("--no-verify", is_flag=True, help="Do not read files to check their checksums.")
+@click.option("--events", default=8, show_default=True, help="How many recent events to show.")
+def status(directory: str, no_verify: bool, events: int) -> None:
+    """Show the checkpoints, restarts and recent events of a checkpoint DIRECTORY."""
+    from .status import render_status
+
+    click.echo(render_status(Path(directory), events=events, verify=not no_verify))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one-line errors, exit codes from errors.py."""
+    setup_logging()
+    try:
+        cli.main(args=argv, prog_name="procckpt", standalone_mode=False)
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.exceptions.Abort:
+        print("procckpt: aborted", file=sys.stderr)
+        return 130
+    except click.UsageError as e:
+        hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+        print(f"procckpt: error: {e.format_message()}{hint}", file=sys.stderr)
+        return EX_USAGE
+    except click.ClickException as e:
+        print(f"procckpt: error: {e.format_message()}", file=sys.stderr)
+        return e.exit_code
+    except ProcckptError as e:
+        print(f"procckpt: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""Run options: defaults < config file (procckpt.yaml) < environment (PROCCKPT_*) < command line."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .durations import parse_duration
+from .errors import UsageError
+
+__all__ = ["RunConfig", "load_config", "CONFIG_FILE", "ENGINES"]
+
+CONFIG_FILE = "procckpt.yaml"
+ENGINES = ("auto", "hooks", "dmtcp")
+DEFAULT_GRACE = 60.0
+
+
+@dataclass
+class RunConfig:
+    """What ``procckpt run`` was asked to do (the spec; see supervisor.RunResult for the outcome).
+
+    Durations are seconds. ``grace`` None means "pick from the time limit" (see
+    :meth:`grace_for`).
+    """
+
+    command: list[str] = field(default_factory=list)
+    dir: Path = Path("procckpt-checkpoints")
+    time_limit: float | None = None
+    grace: float | None = None
+    interval: float | None = None
+    max_restarts: int = 20
+    restart_on_failure: bool = False
+    engine: str = "auto"
+    keep: int = 2
+    force: bool = False
+    term_timeout: float = 10.0
+    checkpoint_signal: str = "USR1"
+
+    def grace_for(self, limit: float | None) -> float:
+        """Seconds before the deadline at which to ask for the checkpoint.
+
+        Explicit ``--grace`` wins; otherwise 60 s, but at most a quarter of a short limit so
+        that a short cycle still trains for most of its time.
+        """
+        if self.grace is not None:
+            return self.grace
+        if limit is None:
+            return DEFAULT_GRACE
+        return min(DEFAULT_GRACE, limit / 4)
+
+
+def _duration(name: str) -> Callable[[Any], float]:
+    return lambda v: parse_duration(v, what=f"{name.replace('_', '-')}")
+
+
+def _int(name: str, minimum: int) -> Callable[[Any], int]:
+    def convert(v: Any) -> int:
+        try:
+            value = int(str(v).strip())
+        except ValueError:
+            raise UsageError(f"bad {name.replace('_', '-')} {v!r}: expected a whole number") from None
+        if value < minimum:
+            raise UsageError(f"bad {name.replace('_', '-')} {v!r}: must be at least {minimum}")
+        return value
+    return convert
+
+
+def _bool(name: str) -> Callable[[Any], bool]:
+    def convert(v: Any) -> bool:
+        if isinstance(v, bool):
+            return v
+        text = str(v).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off", ""):
+            return False
+        raise UsageError(f"bad {name.replace('_', '-')} {v!r}: expected true or false")
+    return convert
+
+
+def _engine(v: Any) -> str:
+    text = str(v).strip().lower()
+    if text not in ENGINES:
+        raise UsageError(f"bad engine {v!r}: choose one of {', '.join(ENGINES)}")
+    return text
+
+
+def _signal(v: Any) -> str:
+    import signal as _sig
+
+    name = str(v).strip().upper().removeprefix("SIG")
+    if not hasattr(_sig, f"SIG{name}") or name in ("KILL", "STOP"):
+        raise UsageError(f"bad checkpoint signal {v!r}: use e.g. USR1, TERM or URG")
+    return name
+
+
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "dir": lambda v: Path(os.path.expanduser(str(v))),
+    "time_limit": _duration("time_limit"),
+    "grace": _duration("grace"),
+    "interval": _duration("interval"),
+    "max_restarts": _int("max_restarts", 0),
+    "restart_on_failure": _bool("restart_on_failure"),
+    "engine": _engine,
+    "keep": _int("keep", 1),
+    "force": _bool("force"),
+    "term_timeout": _duration("term_timeout"),
+    "checkpoint_signal": _signal,
+}
+
+
+def _env_name(option: str) -> str:
+    return "PROCCKPT_" + option.upper()
+
+
+def _read_file(path: Path, explicit: bool) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if explicit:
+            raise UsageError(f"config file {path} does not exist") from None
+        return {}
+    except OSError as e:
+        raise UsageError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise UsageError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must be a mapping of option: value")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in _CONVERTERS:
+            valid = ", ".join(sorted(k.replace("_", "-") for k in _CONVERTERS))
+            raise UsageError(f"unknown option {key!r} in {path}; valid options: {valid}")
+        out[name] = value
+    return out
+
+
+def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str | None = None,
+                environ: Mapping[str, str] | None = None) -> RunConfig:
+    """Merge the sources into a validated RunConfig. ``cli`` maps option names to values,
+    None meaning "not given"."""
+    environ = os.environ if environ is None else environ
+    path = Path(config_path) if config_path else Path(CONFIG_FILE)
+    values: dict[str, Any] = {}
+    values.update(_read_file(path, explicit=config_path is not None))
+    for name in _CONVERTERS:
+        env_value = environ.get(_env_name(name))
+        if env_value not in (None, ""):
+            values[name] = env_value
+    values.update({k: v for k, v in cli.items() if v is not None and k in _CONVERTERS})
+    converted = {name: _CONVERTERS[name](value) for name, value in values.items()}
+    config = RunConfig(command=list(command), **converted)
+    _validate(config)
+    return config
+
+
+def _validate(config: RunConfig) -> None:
+    if config.time_limit is not None and config.time_limit <= 0:
+        raise UsageError("time-limit must be positive")
+    if config.time_limit is not None and config.grace is not None \
+            and config.grace >= config.time_limit:
+        raise UsageError(
+            f"grace ({config.grace:g}s) must be shorter than the time limit "
+            f"({config.time_limit:g}s): the checkpoint is asked for at limit - grace"
+        )
+    if config.interval is not None and config.interval <= 0:
+        raise UsageError("interval must be positive")
+
+
+def option_names() -> list[str]:
+    return [f.name for f in fields(RunConfig) if f.name != "command"]

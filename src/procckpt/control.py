@@ -1,0 +1,137 @@
+"""The launcher <-> training-process protocol.
+
+The launcher never signals the training process to ask for a checkpoint: a signal does not
+cross ``torchrun`` or ``srun`` intact (torchrun turns SIGTERM into killing its workers, NCCL
+owns SIGUSR1, DMTCP SIGUSR2), and it cannot reach ranks on other nodes. Instead it writes a
+small request file into ``DIR/control/``, which every process of the run can see, and the
+training process polls it at its safe points: a ``stat`` every few hundred milliseconds.
+
+    launcher                                   training process (procckpt.Checkpointer)
+    --------                                   ----------------------------------------
+    env PROCCKPT_TOKEN=<cycle token>    ->     writes control/hello-<token>.json at start
+    control/request.json {seq, action}  ->     at the next safe point: save (and exit)
+                                        <-     control/ack.json {token, seq, checkpoint, stopping}
+
+Every file carries the token of the launcher cycle it belongs to, so a leftover request or
+ack from an earlier cycle or job is never mistaken for a current one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .store import write_file_atomic
+
+__all__ = ["Request", "Ack", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART", "ENV_CYCLE"]
+
+ENV_TOKEN = "PROCCKPT_TOKEN"
+ENV_DIR = "PROCCKPT_DIR"
+ENV_RESTART = "PROCCKPT_RESTART"
+ENV_CYCLE = "PROCCKPT_CYCLE"
+ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
+
+ACTION_CHECKPOINT = "checkpoint"  # save and go on training
+ACTION_STOP = "stop"  # save, then exit
+
+
+@dataclass(frozen=True)
+class Request:
+    token: str
+    seq: int
+    action: str
+    reason: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Ack:
+    token: str
+    seq: int
+    checkpoint: str | None
+    step: int | None
+    stopping: bool
+    error: str | None = None
+    time: float = 0.0
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+class ControlChannel:
+    """Both ends of the protocol over one ``control/`` directory."""
+
+    def __init__(self, control_dir: Path, token: str) -> None:
+        self.dir = control_dir
+        self.token = token
+        self.request_path = control_dir / "request.json"
+        self.ack_path = control_dir / "ack.json"
+        self._seen: tuple[int, int] | None = None
+        self._last_seq = 0
+
+    # launcher side -------------------------------------------------------------------------
+    def send(self, seq: int, action: str, reason: str) -> Request:
+        req = Request(self.token, seq, action, reason, time.time())
+        write_file_atomic(self.request_path, json.dumps(asdict(req)).encode())
+        return req
+
+    def read_ack(self) -> Ack | None:
+        data = _read_json(self.ack_path)
+        if not data or data.get("token") != self.token:
+            return None
+        try:
+            return Ack(**data)
+        except TypeError:
+            return None
+
+    def hello(self) -> dict[str, Any] | None:
+        """What the training process said when it started in this cycle, if it did."""
+        return _read_json(self.dir / f"hello-{self.token}.json")
+
+    def clear(self) -> None:
+        for p in self.dir.glob("*.json"):
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+    # training-process side -----------------------------------------------------------------
+    def say_hello(self, **fields: Any) -> None:
+        info = {"pid": os.getpid(), "time": time.time(), **fields}
+        write_file_atomic(self.dir / f"hello-{self.token}.json", json.dumps(info).encode())
+
+    def poll(self) -> Request | None:
+        """Return a new request for this cycle, or None. Cheap when nothing changed."""
+        try:
+            st = self.request_path.stat()
+        except FileNotFoundError:
+            return None
+        # Each request is renamed into place, so a new one has a new inode even when the
+        # filesystem's clock did not tick between two writes.
+        key = (st.st_ino, st.st_mtime_ns)
+        if key == self._seen:
+            return None
+        self._seen = key
+        data = _read_json(self.request_path)
+        if not data or data.get("token") != self.token:
+            return None
+        try:
+            req = Request(**data)
+        except TypeError:
+            return None
+        if req.seq <= self._last_seq:
+            return None
+        self._last_seq = req.seq
+        return req
+
+    def acknowledge(self, ack: Ack) -> None:
+        write_file_atomic(self.ack_path, json.dumps(asdict(ack)).encode())

@@ -1,0 +1,48 @@
+"""The events journal: one JSON object per line in ``DIR/events.jsonl``.
+
+Both the launcher and the training process append to it. Each line is written with a single
+``write`` on an ``O_APPEND`` descriptor, which keeps concurrent lines from interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["append_event", "read_events"]
+
+
+def append_event(path: Path, kind: str, **fields: Any) -> dict[str, Any]:
+    """Append one event; a journal that cannot be written never stops a run."""
+    event = {"time": round(time.time(), 3), "event": kind, "host": socket.gethostname(),
+             "pid": os.getpid(), **fields}
+    line = (json.dumps(event, default=str) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+    return event
+
+
+def read_events(path: Path) -> Iterator[dict[str, Any]]:
+    """Yield the journal's events in order, skipping a line a crash cut short."""
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict):
+                    yield event
+    except FileNotFoundError:
+        return

@@ -1,0 +1,26 @@
+"""Logging set-up for the ``procckpt`` logger: once per process, level from the environment."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["setup_logging"]
+
+
+def setup_logging(level: str | None = None) -> None:
+    """Send procckpt's records to stderr as ``procckpt: message`` unless already configured.
+
+    The level comes from ``level``, else ``$PROCCKPT_LOG_LEVEL``, else INFO.
+    """
+    root = logging.getLogger("procckpt")
+    wanted = (level or os.environ.get("PROCCKPT_LOG_LEVEL") or "INFO").upper()
+    root.setLevel(getattr(logging, wanted, logging.INFO))
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    prefix = "procckpt" if os.environ.get("PROCCKPT_TOKEN") is None else "procckpt[train]"
+    handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+    root.addHandler(handler)
+    root.propagate = False

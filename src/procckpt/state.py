@@ -1,0 +1,490 @@
+"""The in-process side of the hooks engine: what a training script imports.
+
+    ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)
+    for epoch in ckpt.epochs(num_epochs):      # starts at the saved epoch on resume
+        for batch in ckpt.batches(loader):     # resumes at the exact next batch
+            ...
+
+Exactness. A resumed run must draw the same random numbers as an uninterrupted one. Every
+checkpoint therefore holds two RNG snapshots: the state *now* and the state at the *start of
+the current epoch*. Resuming mid-epoch replays the epoch's start: the epoch-start state is
+restored, the data loader is iterated again (so the sampler shuffles, and worker processes are
+seeded, exactly as before) and the batches already trained on are drawn and dropped; then the
+"now" state is restored and training continues with the next batch. Dropping batches costs
+reading them once more, and buys exactness for samplers, worker seeds and random transforms
+without knowing anything about them.
+
+Safe points. The checkpointer only saves between steps: after each batch that ``batches``
+yielded, and at the end of each epoch. Signals (SIGTERM from Slurm, Kubernetes or the
+launcher) only set a flag; the save happens at the next safe point, never inside a handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from . import control as ctl
+from .errors import EX_TEMPFAIL, CheckpointCorruptError, ProcckptError
+from .events import append_event
+from .log import setup_logging
+from .rng import capture_rng, generator_states, restore_generators, restore_rng
+from .store import CheckpointInfo, CheckpointStore, DirLock
+
+__all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+DEFAULT_DIR = "procckpt-checkpoints"
+PAYLOAD = "state.pt"
+PAYLOAD_FORMAT = 1
+#: How often a safe point looks at the control directory for a launcher's request.
+POLL_SECONDS = 0.2
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+def default_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The checkpoint dir: the launcher's, else ``explicit``, else $PROCCKPT_DIR, else
+    ``./procckpt-checkpoints``."""
+    launched = os.environ.get(ctl.ENV_TOKEN) and os.environ.get(ctl.ENV_DIR)
+    if launched:
+        chosen = Path(os.environ[ctl.ENV_DIR])
+        if explicit is not None and Path(explicit).absolute() != chosen.absolute():
+            logger.warning("procckpt run chose checkpoint dir %s; ignoring %s given in the script",
+                           chosen, explicit)
+        return chosen
+    if explicit is not None:
+        return Path(explicit)
+    return Path(os.environ.get(ctl.ENV_DIR) or DEFAULT_DIR)
+
+
+class Checkpointer:
+    """Saves and restores a training run's whole state at safe points.
+
+    Args:
+        dir: checkpoint directory; under ``procckpt run`` the launcher's choice wins.
+        model, optimizer, scheduler, scaler, **stateful: anything with ``state_dict()`` and
+            ``load_state_dict()``; all are saved together and restored on resume.
+        keep: how many recent checkpoints to keep (the best one is kept as well).
+        save_every: save at the end of every N-th epoch. Default: 1 when the script runs on
+            its own, off under ``procckpt run`` (which asks for checkpoints itself).
+        interval: also save every ``interval`` seconds (at the next safe point).
+        metric_mode: "max" or "min": which value of :meth:`report_metric` is best.
+        save_best: save at the next safe point whenever the reported metric improves.
+    """
+
+    def __init__(
+        self,
+        dir: str | os.PathLike[str] | None = None,
+        *,
+        model: Stateful | None = None,
+        optimizer: Stateful | None = None,
+        scheduler: Stateful | None = None,
+        scaler: Stateful | None = None,
+        keep: int = 2,
+        save_every: int | None = None,
+        interval: float | None = None,
+        metric_mode: str = "max",
+        save_best: bool = True,
+        **stateful: Stateful,
+    ) -> None:
+        setup_logging()
+        named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
+        self._statefuls: dict[str, Stateful] = {
+            k: v for k, v in {**named, **stateful}.items() if v is not None
+        }
+        for name, obj in self._statefuls.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"{name}={obj!r} has no state_dict()/load_state_dict()")
+        if metric_mode not in ("max", "min"):
+            raise ValueError(f"metric_mode must be 'max' or 'min', not {metric_mode!r}")
+
+        token = os.environ.get(ctl.ENV_TOKEN)
+        self.launched = bool(token)
+        self.dir = default_dir(dir).absolute()
+        self.store = CheckpointStore(self.dir, keep=keep)
+        self.restart = int(os.environ.get(ctl.ENV_RESTART, "0") or 0)
+        self.rank = _rank()
+        self.is_writer = self.rank == 0
+        self.save_every = save_every if save_every is not None else (None if self.launched else 1)
+        self.interval = interval
+        self.metric_mode = metric_mode
+        self.save_best = save_best
+        self.extras: dict[str, Any] = {}
+        #: Position: ``epoch`` is the epoch in progress (or next to run), ``batch`` the number
+        #: of batches of it already trained on, ``step`` the batches (or epochs) done in all.
+        self.epoch = 0
+        self.batch = 0
+        self.step = 0
+        self.metric: float | None = None
+        self.best_metric: float | None = None
+        self.last_checkpoint: CheckpointInfo | None = None
+
+        self._lock: DirLock | None = None
+        self._control: ctl.ControlChannel | None = None
+        self._next_poll = 0.0
+        self._request: ctl.Request | None = None
+        self._stop_reason: str | None = None
+        self._best_pending = False
+        self._last_save = time.monotonic()
+        self._saved_at: tuple[int, int, int] | None = None
+        self._epoch_rng: dict[str, Any] | None = None
+        self._epoch_used_batches = False
+        self._loader_generators: list[torch.Generator] = []
+        self._resume_rng: dict[str, Any] | None = None
+        self._pending_skip: int | None = None
+        self._finished = False
+        self._in_epochs = False
+
+        if self.is_writer:
+            self.store.open()
+        if not self.launched and self.is_writer:
+            # On its own the script owns the directory; under procckpt run the launcher does.
+            self._lock = self.store.lock(purpose="training script")
+            self.store.clean_temporaries()
+        if self.launched:
+            assert token is not None
+            self._control = ctl.ControlChannel(self.store.control_dir, token)
+        self._install_signal_handlers()
+        self.resumed_from = self._resume()
+        if self._control is not None and self.is_writer:
+            self._control.say_hello(step=self.step, epoch=self.epoch,
+                                    resumed_from=self.resumed_from and self.resumed_from.name)
+
+    # -- public API ------------------------------------------------------------------------
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """Yield epoch numbers from the saved epoch (0 on a fresh start) up to ``num_epochs``.
+
+        The end of each epoch is a safe point. After the last epoch a final checkpoint is
+        saved and the run is marked complete.
+        """
+        if self.epoch >= num_epochs:
+            if self.resumed_from is not None:
+                logger.info("training already finished (epoch %d of %d); nothing to do",
+                            self.epoch, num_epochs)
+            self._finish()
+            return
+        first = True
+        self._in_epochs = True
+        while self.epoch < num_epochs:
+            if first and self._resume_rng is not None:
+                if self._pending_skip:  # mid-epoch: replay the epoch from its start
+                    assert self._epoch_rng is not None
+                    restore_rng(self._epoch_rng)
+                else:
+                    restore_rng(self._resume_rng)
+                    self._resume_rng = None
+            else:
+                self._epoch_rng = capture_rng()
+            first = False
+            self._epoch_used_batches = False
+            yield self.epoch
+            self.epoch += 1
+            self.batch = 0
+            self._epoch_rng = None
+            if not self._epoch_used_batches:
+                self.step += 1
+            self._safe_point(epoch_end=True)
+        self._in_epochs = False
+        self._finish()
+
+    def batches(self, loader: Iterable[T]) -> Iterator[T]:
+        """Yield the loader's batches; on resume, start at the first batch not yet trained on.
+
+        After each batch (when the loop body asks for the next one) is a safe point.
+        """
+        generators = _loader_generators(loader)
+        skip = self._pending_skip or 0
+        self._pending_skip = None
+        if skip:
+            assert self._epoch_rng is not None
+            restore_generators(generators, self._epoch_rng.get("loader_generators", []))
+        else:
+            if self._epoch_rng is None:  # batches() used without epochs()
+                self._epoch_rng = capture_rng()
+            self._epoch_rng["loader_generators"] = generator_states(generators)
+        self._loader_generators = generators
+        self._epoch_used_batches = True
+        iterator = iter(loader)
+        if skip:
+            started = time.monotonic()
+            for done in range(skip):
+                try:
+                    next(iterator)
+                except StopIteration:
+                    raise ProcckptError(
+                        f"the data loader ran out after {done} batches, but the checkpoint "
+                        f"was taken after batch {skip} of this epoch: did the data set or "
+                        "batch size change? Use a new checkpoint dir to start over."
+                    ) from None
+            assert self._resume_rng is not None
+            restore_rng(self._resume_rng)
+            restore_generators(generators, self._resume_rng.get("loader_generators", []))
+            self._resume_rng = None
+            logger.info("skipped the %d batches of epoch %d trained before the restart "
+                        "(%.1fs)", skip, self.epoch, time.monotonic() - started)
+        self.batch = skip
+        for item in iterator:
+            yield item
+            self.batch += 1
+            self.step += 1
+            self._safe_point()
+        if not self._in_epochs:  # a single pass without epochs(): it is over
+            self.batch = 0
+            self._epoch_rng = None
+
+    def report_metric(self, value: float) -> bool:
+        """Record a validation metric; returns True if it is the best so far. With
+        ``save_best``, a new best is saved at the next safe point and kept by pruning."""
+        value = float(value)
+        self.metric = value
+        better = (self.best_metric is None
+                  or (value > self.best_metric if self.metric_mode == "max"
+                      else value < self.best_metric))
+        if better:
+            self.best_metric = value
+            self._best_pending = self.save_best
+        return better
+
+    def request_checkpoint(self, stop: bool = False, reason: str = "script") -> None:
+        """Ask for a checkpoint at the next safe point (and to exit after it with ``stop``)."""
+        if stop:
+            self._stop_reason = reason
+        else:
+            self._request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason, time.time())
+
+    def save(self, reason: str = "manual") -> CheckpointInfo | None:
+        """Save now. Call only between steps; the loops above do it for you."""
+        if not self.is_writer:
+            return None
+        started = time.monotonic()
+        payload = {
+            "format": PAYLOAD_FORMAT,
+            "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()},
+            "progress": {"epoch": self.epoch, "batch": self.batch, "step": self.step,
+                         "best_metric": self.best_metric},
+            "rng": self._rng_now(),
+            "epoch_rng": self._epoch_rng if self.batch else None,
+            "extras": _checked_extras(self.extras),
+        }
+        meta = {
+            "step": self.step, "epoch": self.epoch, "batch": self.batch, "reason": reason,
+            "engine": "hooks", "torch": torch.__version__, "restart": self.restart,
+            "job_id": _job_id(), "metric": self.metric, "metric_mode": self.metric_mode,
+            "python": sys.version.split()[0], "host": socket.gethostname(),
+        }
+        with self.store.begin(meta) as pending:
+            with pending.open(PAYLOAD) as f:
+                torch.save(payload, f)
+            info = pending.commit()
+        self.store.prune()
+        seconds = time.monotonic() - started
+        self._last_save = time.monotonic()
+        self._saved_at = (self.epoch, self.batch, self.step)
+        self.last_checkpoint = info
+        append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=self.step,
+                     epoch=self.epoch, batch=self.batch, bytes=info.nbytes,
+                     seconds=round(seconds, 4), reason=reason, restart=self.restart)
+        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs (%s)", info.name,
+                    self.step, self.epoch, info.nbytes / 1e6, seconds, reason)
+        return info
+
+    def close(self) -> None:
+        """Release the checkpoint dir (done automatically when the process exits)."""
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    # -- internals -------------------------------------------------------------------------
+    def _rng_now(self) -> dict[str, Any]:
+        rng = capture_rng()
+        rng["loader_generators"] = generator_states(self._loader_generators)
+        return rng
+
+    def _resume(self) -> CheckpointInfo | None:
+        if not self.is_writer and not self.store.ckpt_root.is_dir():
+            return None
+        loaded = self._load_latest()
+        if loaded is None:
+            return None
+        info, payload = loaded
+        states = payload["statefuls"]
+        missing = sorted(set(self._statefuls) - set(states))
+        if missing:
+            raise ProcckptError(
+                f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
+                "was written by another script or other Checkpointer arguments; use a new dir"
+            )
+        for name, obj in self._statefuls.items():
+            obj.load_state_dict(states[name])
+        progress = payload["progress"]
+        self.epoch, self.batch, self.step = (int(progress["epoch"]), int(progress["batch"]),
+                                             int(progress["step"]))
+        self.best_metric = progress.get("best_metric")
+        self.extras = dict(payload.get("extras") or {})
+        self._resume_rng = payload["rng"]
+        if self.batch:
+            self._epoch_rng = payload["epoch_rng"]
+            self._pending_skip = self.batch
+        self._saved_at = (self.epoch, self.batch, self.step)
+        self.last_checkpoint = info
+        append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
+                     epoch=self.epoch, batch=self.batch, restart=self.restart)
+        logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d)", info.name,
+                    self.epoch, self.batch, self.step, self.restart)
+        return info
+
+    def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+        """The newest checkpoint that verifies *and* loads safely, falling back loudly."""
+        for info in self.store.valid_checkpoints():
+            try:
+                payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True)
+                if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
+                    raise ValueError("it is not a procckpt hooks checkpoint")
+            except Exception as e:  # UnpicklingError for a foreign pickle, and worse
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
+                continue
+            return info, payload
+        if any(self.store.ckpt_root.glob("ckpt-*")):
+            raise CheckpointCorruptError(
+                f"no checkpoint in {self.store.ckpt_root} can be loaded (see the warnings above);"
+                " refusing to start from scratch: move the directory away to train anew"
+            )
+        return None
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return  # the script (or its launcher, e.g. torchrun) handles SIGTERM itself
+
+        def on_term(signum: int, frame: object) -> None:
+            # Only record: the checkpoint is taken at the next safe point.
+            self._stop_reason = signal.Signals(signum).name
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def _safe_point(self, epoch_end: bool = False) -> None:
+        now = time.monotonic()
+        if self._control is not None and now >= self._next_poll:
+            self._next_poll = now + POLL_SECONDS
+            request = self._control.poll()
+            if request is not None:
+                if request.action == ctl.ACTION_STOP:
+                    self._stop_reason = request.reason
+                self._request = request
+        reason = self._stop_reason
+        if reason is None and self._request is not None:
+            reason = self._request.reason
+        if reason is None and self.interval and now - self._last_save >= self.interval:
+            reason = "interval"
+        if reason is None and self._best_pending:
+            reason = "best"
+        if (reason is None and epoch_end and self.save_every
+                and self.epoch % self.save_every == 0):
+            reason = "epoch"
+        if reason is None:
+            return
+        self._best_pending = False
+        info = self.save(reason)
+        self._answer(info, stopping=self._stop_reason is not None)
+        if self._stop_reason is not None:
+            self._exit_after_stop()
+
+    def _answer(self, info: CheckpointInfo | None, stopping: bool, error: str | None = None,
+                ) -> None:
+        request, self._request = self._request, None
+        if self._control is None or not self.is_writer:
+            return
+        seq = request.seq if request is not None and request.token else 0
+        self._control.acknowledge(ctl.Ack(
+            token=self._control.token, seq=seq, checkpoint=info.name if info else None,
+            step=self.step, stopping=stopping, error=error, time=time.time()))
+
+    def _exit_after_stop(self) -> None:
+        code = int(os.environ.get(ctl.ENV_STOP_EXIT, EX_TEMPFAIL))
+        logger.info("stopping after checkpoint at step %d (%s); run again to resume",
+                    self.step, self._stop_reason)
+        self.close()
+        raise SystemExit(code)
+
+    def _finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        info = self.last_checkpoint
+        if self._saved_at != (self.epoch, self.batch, self.step) or info is None:
+            info = self.save("end")
+        if self.is_writer:
+            self.store.mark_complete(step=self.step, epoch=self.epoch,
+                                     checkpoint=info.name if info else None,
+                                     token=self._control.token if self._control else None)
+            append_event(self.store.events_path, "complete", step=self.step, epoch=self.epoch)
+        if self._request is not None or self._stop_reason is not None:
+            self._answer(info, stopping=True)
+
+
+def _checked_extras(extras: dict[str, Any]) -> dict[str, Any]:
+    """Refuse extras that a weights_only load could not read back."""
+    def check(value: Any, where: str) -> None:
+        if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check(v, f"{where}[{i}]")
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, (str, int)):
+                    raise ProcckptError(f"extras{where}: key {k!r} must be a str or int")
+                check(v, f"{where}[{k!r}]")
+            return
+        raise ProcckptError(
+            f"extras{where} is a {type(value).__name__}; checkpoints hold only tensors, "
+            "numbers, strings, None, lists and dicts (so that they load with weights_only=True)"
+        )
+
+    check(extras, "")
+    return extras
+
+
+def _loader_generators(loader: object) -> list[torch.Generator]:
+    """Generators a DataLoader draws its order from besides torch's global one."""
+    found: list[torch.Generator] = []
+    for owner in (loader, getattr(loader, "sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0") or 0)
+
+
+def _job_id() -> str | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{job}_{task}" if job and task else job

@@ -1,0 +1,100 @@
+"""``procckpt status DIR``: what a checkpoint directory holds, in a table a person can read."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from .durations import format_duration
+from .errors import StoreError
+from .events import read_events
+from .store import MARKER, CheckpointStore
+
+__all__ = ["render_status"]
+
+
+def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
+    """Return the status report for the checkpoint directory ``root``."""
+    store = CheckpointStore(root)
+    if not (store.root / MARKER).exists():
+        raise StoreError(f"{store.root} is not a procckpt checkpoint dir (no {MARKER} marker)")
+    now = time.time()
+    lines = [f"checkpoint dir: {store.root}"]
+    complete = store.is_complete()
+    lock = store.root / "lock"
+    holder = _holder(store)
+    if complete:
+        lines.append(f"state:          finished {format_duration(now - complete.get('time', now))}"
+                     f" ago (step {complete.get('step')})")
+    elif holder:
+        lines.append(f"state:          running (pid {holder.get('pid')} on {holder.get('host')})")
+    else:
+        lines.append("state:          not running" + ("" if lock.exists() else " (never run)"))
+    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "AGE", "ENGINE", "REASON", "VALID")]
+    for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
+        manifest = store._read_manifest(path) or {}
+        if path.name.endswith(".corrupt"):
+            valid = "corrupt"
+        elif verify:
+            problem = store.verify(path)
+            valid = "yes" if problem is None else f"NO: {problem}"
+        else:
+            valid = "?"
+        size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values())
+        age = format_duration(now - manifest["time"]) if "time" in manifest else "-"
+        rows.append((path.name, str(manifest.get("step", "-")), str(manifest.get("epoch", "-")),
+                     _size(size), age, str(manifest.get("engine", "-")),
+                     str(manifest.get("reason", "-")), valid))
+    if len(rows) == 1:
+        lines.append("checkpoints:    none yet")
+    else:
+        lines.append("")
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+        for r in rows:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    history = list(read_events(store.events_path))
+    restarts = sum(1 for e in history if e.get("event") == "restart")
+    starts = sum(1 for e in history if e.get("event") == "start")
+    lines.append("")
+    lines.append(f"launches: {starts}   restarts: {restarts}   "
+                 f"checkpoints saved: {sum(1 for e in history if e.get('event') == 'checkpoint')}")
+    if history:
+        lines.append("last events:")
+        for e in history[-events:]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
+            details = ", ".join(f"{k}={v}" for k, v in e.items()
+                                if k not in ("time", "event", "host", "pid", "argv"))
+            lines.append(f"  {when}  {e.get('event', '?'):<11} {details}")
+    return "\n".join(lines)
+
+
+def _holder(store: CheckpointStore) -> dict | None:
+    """Who holds the lock right now, or None (the lock file may be left from a dead process)."""
+    import fcntl
+    import json
+    import os
+
+    path = store.root / "lock"
+    if not path.exists():
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        try:
+            return json.loads(path.read_text() or "{}")
+        except ValueError:
+            return {}
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)

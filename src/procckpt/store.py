@@ -1,0 +1,541 @@
+"""The checkpoint directory: atomic writes, manifests with checksums, lock, keep-N, fallback.
+
+Layout of a checkpoint directory::
+
+    DIR/
+      .procckpt                 marker: this directory belongs to procckpt (format version)
+      lock                      flock()ed by the process that owns the run; says who in its text
+      events.jsonl              the journal (see events.py)
+      control/                  launcher <-> training process requests and acks (see control.py)
+      COMPLETE                  written once the training finished
+      checkpoints/
+        ckpt-00000007/          one directory per checkpoint, named by a sequence number
+          state.pt              payload file(s), written by an engine
+          MANIFEST.json         written last: sizes and CRC-32 of every payload file
+        .tmp-ckpt-...           a checkpoint being written; never loaded, removed at start
+
+A checkpoint is built in a temporary directory beside its final place and renamed into place
+only after every file and the manifest are fsynced, so a crash at any moment leaves either the
+whole checkpoint or none of it under its final name. The manifest's checksums catch what the
+rename cannot: a disk or copy that later truncates or flips bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from .errors import CheckpointCorruptError, LockedError, StoreError
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointStore",
+    "PendingCheckpoint",
+    "DirLock",
+    "FORMAT_VERSION",
+    "MANIFEST",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MARKER = ".procckpt"
+MANIFEST = "MANIFEST.json"
+COMPLETE = "COMPLETE"
+_CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
+_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint, as its manifest describes it."""
+
+    path: Path
+    seq: int
+    manifest: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def step(self) -> int | None:
+        return self.manifest.get("step")
+
+    @property
+    def epoch(self) -> int | None:
+        return self.manifest.get("epoch")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
+
+    @property
+    def created(self) -> float:
+        return float(self.manifest.get("time", 0.0))
+
+    @property
+    def metric(self) -> float | None:
+        value = self.manifest.get("metric")
+        return None if value is None else float(value)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix.
+
+    The temporary file lives beside the target because rename is atomic only within one
+    filesystem; its name is unique so that two writers never share one.
+    """
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    fsync_dir(path.parent)
+
+
+class ChecksumWriter:
+    """A write-only file object that counts bytes and computes CRC-32 of what passes through."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self._raw = raw
+        self.crc = 0
+        self.nbytes = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.nbytes += len(view)
+        return self._raw.write(view)
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """Return (crc32, size) of the file at ``path``, read in large chunks."""
+    crc = 0
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return crc, size
+
+
+class PendingCheckpoint:
+    """A checkpoint being written. Write payload files with :meth:`open` or :meth:`add_file`,
+    then :meth:`commit`; leaving the ``with`` block without a commit removes it."""
+
+    def __init__(self, store: CheckpointStore, seq: int, meta: dict[str, Any]) -> None:
+        self.store = store
+        self.seq = seq
+        self.meta = dict(meta)
+        self.tmp = store.ckpt_root / f".tmp-ckpt-{seq:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=False)
+        self.files: dict[str, dict[str, int]] = {}
+        self._committed = False
+
+    def __enter__(self) -> PendingCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._committed:
+            self.abort()
+
+    @property
+    def path(self) -> Path:
+        """The temporary directory; engines that write files themselves write here."""
+        return self.tmp
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[ChecksumWriter]:
+        """Open payload file ``name`` for writing; its size and CRC go into the manifest."""
+        _check_name(name)
+        with open(self.tmp / name, "wb") as raw:
+            writer = ChecksumWriter(raw)
+            yield writer
+            raw.flush()
+            os.fsync(raw.fileno())
+        self.files[name] = {"bytes": writer.nbytes, "crc32": writer.crc}
+
+    def add_file(self, name: str) -> None:
+        """Record a payload file that an engine already wrote into :attr:`path`."""
+        _check_name(name)
+        target = self.tmp / name
+        with open(target, "rb") as f:
+            os.fsync(f.fileno())
+        crc, size = file_crc32(target)
+        self.files[name] = {"bytes": size, "crc32": crc}
+
+    def commit(self) -> CheckpointInfo:
+        """Write the manifest and rename the checkpoint into place. Durable on return."""
+        if not self.files:
+            raise StoreError("refusing to commit a checkpoint with no payload files")
+        manifest = {
+            "format": FORMAT_VERSION,
+            "seq": self.seq,
+            "time": time.time(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "files": self.files,
+            "bytes": sum(f["bytes"] for f in self.files.values()),
+            **self.meta,
+        }
+        with open(self.tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.tmp)
+        final = self.store.ckpt_root / f"ckpt-{self.seq:08d}"
+        if final.exists():  # another writer took this number: take the next free one
+            self.seq = self.store.next_seq()
+            manifest["seq"] = self.seq
+            write_file_atomic(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            final = self.store.ckpt_root / f"ckpt-{self.seq:08d}"
+        os.rename(self.tmp, final)
+        fsync_dir(self.store.ckpt_root)
+        self._committed = True
+        return CheckpointInfo(final, self.seq, manifest)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check_name(name: str) -> None:
+    if "/" in name or name in (MANIFEST, "", ".", "..") or name.startswith(".tmp-"):
+        raise StoreError(f"bad payload file name {name!r}")
+
+
+@dataclass
+class DirLock:
+    """An exclusive ``flock`` on ``DIR/lock``; the kernel drops it when its holder dies,
+    so a lock left by a dead process is taken over without any clean-up."""
+
+    path: Path
+    _fd: int | None = field(default=None, repr=False)
+
+    def acquire(self, purpose: str = "run") -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise StoreError(f"cannot lock {self.path}: {e.strerror}") from e
+            holder = self.holder()
+            who = (
+                f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('purpose', 'run')})"
+                if holder
+                else "another process"
+            )
+            raise LockedError(
+                f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
+                "or use another --dir"
+            ) from e
+        os.ftruncate(fd, 0)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                "purpose": purpose}
+        os.write(fd, json.dumps(info).encode())
+        self._fd = fd
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.path.read_text() or "null")
+        except (OSError, ValueError):
+            return None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class CheckpointStore:
+    """A checkpoint directory. ``open()`` must be called before anything else."""
+
+    def __init__(self, root: str | os.PathLike[str], *, keep: int = 2) -> None:
+        if keep < 1:
+            raise StoreError(f"keep must be at least 1, got {keep}")
+        self.root = Path(root).absolute()
+        self.keep = keep
+        self.ckpt_root = self.root / "checkpoints"
+        self.control_dir = self.root / "control"
+        self.events_path = self.root / "events.jsonl"
+        self.complete_path = self.root / COMPLETE
+
+    # -- set-up -----------------------------------------------------------------------------
+    def open(self, *, create: bool = True) -> CheckpointStore:
+        """Check that the directory is ours and writable, creating it if needed.
+
+        Raises:
+            StoreError: the directory is unwritable, is a file, or holds someone else's files.
+        """
+        root = self.root
+        if root.exists() and not root.is_dir():
+            raise StoreError(f"checkpoint dir {root} is a file; pass a directory with --dir")
+        if root.is_dir():
+            marker = root / MARKER
+            if not marker.exists():
+                others = [p.name for p in root.iterdir()][:3]
+                if others:
+                    raise StoreError(
+                        f"{root} is not a procckpt checkpoint dir (it holds {', '.join(others)}"
+                        f"{', ...' if len(others) == 3 else ''}); pick a new or empty directory"
+                    )
+            else:
+                self._check_marker(marker)
+        elif not create:
+            raise StoreError(f"checkpoint dir {root} does not exist")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            self.ckpt_root.mkdir(exist_ok=True)
+            self.control_dir.mkdir(exist_ok=True)
+            marker = root / MARKER
+            if not marker.exists():
+                write_file_atomic(marker, json.dumps({"format": FORMAT_VERSION,
+                                                      "created": time.time()}).encode())
+            probe = root / f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except PermissionError as e:
+            raise StoreError(
+                f"checkpoint dir {root} is not writable ({e.strerror}); fix its permissions "
+                "or choose another with --dir"
+            ) from e
+        except OSError as e:
+            raise StoreError(f"cannot use checkpoint dir {root}: {e.strerror or e}") from e
+        return self
+
+    @staticmethod
+    def _check_marker(marker: Path) -> None:
+        try:
+            fmt = json.loads(marker.read_text()).get("format")
+        except (OSError, ValueError, AttributeError) as e:
+            raise StoreError(f"{marker} is damaged; pick a new directory") from e
+        if fmt != FORMAT_VERSION:
+            raise StoreError(
+                f"{marker.parent} was written by an incompatible procckpt (format {fmt}, "
+                f"this one reads {FORMAT_VERSION}); use the matching version or a new --dir"
+            )
+
+    def lock(self, purpose: str = "run") -> DirLock:
+        """Take the directory's lock; raises LockedError if a live process holds it."""
+        lock = DirLock(self.root / "lock")
+        lock.acquire(purpose)
+        return lock
+
+    def clean_temporaries(self) -> list[Path]:
+        """Remove checkpoints that a crash left half-written. Call while holding the lock."""
+        removed = []
+        for parent in (self.ckpt_root, self.root, self.control_dir):
+            if not parent.is_dir():
+                continue
+            for p in parent.iterdir():
+                if p.name.startswith(".tmp-"):
+                    if p.is_dir():
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            p.unlink()
+                    removed.append(p)
+        if removed:
+            logger.info("removed %d unfinished temporary file(s) from an earlier crash",
+                        len(removed))
+        return removed
+
+    # -- writing ----------------------------------------------------------------------------
+    def next_seq(self) -> int:
+        seqs = [self._seq_of(p) for p in self._ckpt_dirs(include_bad=True)]
+        return max(seqs, default=0) + 1
+
+    def begin(self, meta: dict[str, Any]) -> PendingCheckpoint:
+        """Start a new checkpoint; ``meta`` (step, epoch, reason, ...) goes into its manifest."""
+        return PendingCheckpoint(self, self.next_seq(), meta)
+
+    def prune(self) -> list[Path]:
+        """Delete old checkpoints: keep the newest ``keep`` valid ones and the best one.
+
+        Only checkpoints older than the newest kept one are deleted, and never the last
+        valid checkpoint, so a failure here can cost disk space but never the run.
+        """
+        infos = self.checkpoints()
+        keep: set[Path] = {i.path for i in infos[: self.keep]}
+        best = self.best(infos)
+        if best is not None:
+            keep.add(best.path)
+        removed = []
+        for info in infos[self.keep:]:
+            if info.path not in keep:
+                shutil.rmtree(info.path, ignore_errors=True)
+                removed.append(info.path)
+        return removed
+
+    # -- reading ----------------------------------------------------------------------------
+    def _ckpt_dirs(self, include_bad: bool = False) -> list[Path]:
+        if not self.ckpt_root.is_dir():
+            return []
+        dirs = [p for p in self.ckpt_root.iterdir() if _CKPT_RE.match(p.name.split(".")[0])
+                and (include_bad or _CKPT_RE.match(p.name))]
+        return sorted(dirs, key=self._seq_of, reverse=True)
+
+    @staticmethod
+    def _seq_of(path: Path) -> int:
+        return int(path.name.split(".")[0].split("-")[1])
+
+    def checkpoints(self) -> list[CheckpointInfo]:
+        """Committed checkpoints whose manifest parses, newest first (contents not verified)."""
+        infos = []
+        for p in self._ckpt_dirs():
+            manifest = self._read_manifest(p)
+            if manifest is not None:
+                infos.append(CheckpointInfo(p, self._seq_of(p), manifest))
+        return infos
+
+    @staticmethod
+    def _read_manifest(path: Path) -> dict[str, Any] | None:
+        try:
+            manifest = json.loads((path / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return None
+        return manifest if isinstance(manifest, dict) and "files" in manifest else None
+
+    def verify(self, path: Path) -> str | None:
+        """Return why the checkpoint at ``path`` cannot be used, or None if it is intact."""
+        manifest = self._read_manifest(path)
+        if manifest is None:
+            return "its manifest is missing or unreadable"
+        if manifest.get("format") != FORMAT_VERSION:
+            return f"it has format {manifest.get('format')}, expected {FORMAT_VERSION}"
+        for name, expect in manifest["files"].items():
+            target = path / name
+            try:
+                size = target.stat().st_size
+            except OSError:
+                return f"{name} is missing"
+            if size != expect["bytes"]:
+                return f"{name} has {size} bytes, the manifest says {expect['bytes']}"
+            crc, _ = file_crc32(target)
+            if crc != expect["crc32"]:
+                return f"{name} fails its checksum (the file is corrupt)"
+        return None
+
+    def valid_checkpoints(self) -> Iterator[CheckpointInfo]:
+        """Yield intact checkpoints, newest first; each damaged one is logged loudly and
+        moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again)."""
+        for p in self._ckpt_dirs():
+            problem = self.verify(p)
+            if problem is None:
+                manifest = self._read_manifest(p)
+                assert manifest is not None
+                yield CheckpointInfo(p, self._seq_of(p), manifest)
+                continue
+            self.quarantine(p, problem)
+
+    def quarantine(self, path: Path, problem: str) -> None:
+        """Log that the checkpoint at ``path`` is unusable and move it aside."""
+        logger.warning("checkpoint %s is unusable: %s; falling back to the previous one",
+                       path.name, problem)
+        with contextlib.suppress(OSError):
+            os.rename(path, path.with_name(path.name + ".corrupt"))
+        from .events import append_event  # local: events imports nothing heavy, but stays optional
+
+        append_event(self.events_path, "corrupt", checkpoint=path.name, problem=problem)
+
+    def latest_valid(self) -> CheckpointInfo | None:
+        """The newest intact checkpoint, None if there never was one.
+
+        Raises:
+            CheckpointCorruptError: checkpoints exist but every one of them is damaged; starting
+                from scratch silently would throw the run away.
+        """
+        for info in self.valid_checkpoints():
+            return info
+        if self._ckpt_dirs(include_bad=True):
+            raise CheckpointCorruptError(
+                f"every checkpoint in {self.ckpt_root} is damaged (see the warnings above); "
+                "refusing to start from scratch: move the directory away to train anew"
+            )
+        return None
+
+    @staticmethod
+    def best(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
+        scored = [i for i in infos if i.metric is not None]
+        if not scored:
+            return None
+        mode = scored[0].manifest.get("metric_mode", "max")
+        return (max if mode == "max" else min)(scored, key=lambda i: i.metric)  # type: ignore[arg-type,return-value]
+
+    # -- completion -------------------------------------------------------------------------
+    def is_complete(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.complete_path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {"time": self.complete_path.stat().st_mtime}
+
+    def mark_complete(self, **fields: Any) -> None:
+        write_file_atomic(self.complete_path,
+                          json.dumps({"time": time.time(), **fields}).encode())
+
+    def archive(self) -> Path | None:
+        """Move checkpoints and the completion marker into ``previous-<time>/`` (for --force):
+        training starts anew without deleting what an earlier run produced."""
+        if not self._ckpt_dirs(include_bad=True) and not self.complete_path.exists():
+            return None
+        dest = self.root / time.strftime("previous-%Y%m%d-%H%M%S")
+        dest.mkdir()
+        os.rename(self.ckpt_root, dest / "checkpoints")
+        if self.complete_path.exists():
+            os.rename(self.complete_path, dest / COMPLETE)
+        self.ckpt_root.mkdir()
+        fsync_dir(self.root)
+        return dest
