@@ -13,6 +13,7 @@ import click
 from . import __version__
 from .config import ENGINES, RunConfig, load_config
 from .deadline import Deadline, LocalDeadline, NoDeadline
+from .engines import Engine
 from .errors import EX_USAGE, CommandNotFoundError, ProcckptError
 from .log import setup_logging
 from .requeue import LocalRestart, RestartPolicy
@@ -66,7 +67,6 @@ def run(command: tuple[str, ...], config_path: str | None, dir_: str | None,
 
 def run_command(config: RunConfig) -> int:
     """Everything ``procckpt run`` does after parsing; returns the exit code."""
-    from .engines.hooks import HooksEngine
     from .supervisor import Supervisor
 
     exe = config.command[0]
@@ -84,10 +84,25 @@ def run_command(config: RunConfig) -> int:
             if archived is not None:
                 logger.info("--force: earlier checkpoints moved to %s", archived)
         store.clean_temporaries()
-        engine = HooksEngine(store)
+        engine = _engine_for(config, store)
         deadline, policy = _deadline_and_policy(config)
         result = Supervisor(config, store, engine, deadline, policy).run()
         return result.exit_code
+
+
+def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
+    """The engine --engine asks for (auto: see engines/choice.py); logs which and why."""
+    from .engines.choice import choose_engine
+    from .engines.hooks import HooksEngine
+
+    choice = choose_engine(config.engine, config.command, store)
+    logger.info("engine: %s (%s)", choice.name, choice.reason)
+    if choice.name == "dmtcp":
+        from .engines.dmtcp import DmtcpEngine
+
+        assert choice.tools is not None
+        return DmtcpEngine(store, choice.tools)
+    return HooksEngine(store)
 
 
 def _deadline_and_policy(config: RunConfig) -> tuple[Deadline, RestartPolicy]:

@@ -24,13 +24,14 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     lock = store.root / "lock"
     holder = _holder(store)
     if complete:
+        step = f" (step {complete['step']})" if complete.get("step") is not None else ""
         lines.append(f"state:          finished {format_duration(now - complete.get('time', now))}"
-                     f" ago (step {complete.get('step')})")
+                     f" ago{step}")
     elif holder:
         lines.append(f"state:          running (pid {holder.get('pid')} on {holder.get('host')})")
     else:
         lines.append("state:          not running" + ("" if lock.exists() else " (never run)"))
-    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "AGE", "ENGINE", "REASON", "VALID")]
+    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
     for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
         manifest = store._read_manifest(path) or {}
         if path.name.endswith(".corrupt"):
@@ -42,8 +43,10 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
             valid = "?"
         size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values())
         age = format_duration(now - manifest["time"]) if "time" in manifest else "-"
+        write = manifest.get("write_seconds")  # how long the engine took to write it
         rows.append((path.name, str(manifest.get("step", "-")), str(manifest.get("epoch", "-")),
-                     _size(size), age, str(manifest.get("engine", "-")),
+                     _size(size), "-" if write is None else f"{write:.1f}s", age,
+                     str(manifest.get("engine", "-")),
                      str(manifest.get("reason", "-")), valid))
     if len(rows) == 1:
         lines.append("checkpoints:    none yet")

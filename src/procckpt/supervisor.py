@@ -13,7 +13,8 @@ Signals the launcher handles (the one table; README.md repeats it for users):
     SIGCONT         forwarded (Slurm sends it with SIGTERM to wake suspended jobs)
 
 USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
-internally, so the request reaches the training process through ``control/`` instead.
+internally, so the request reaches the training process through ``control/`` instead. Under
+``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp.py).
 Handlers only record the signal (via the wakeup pipe); the loop below acts on it.
 """
 
@@ -102,6 +103,7 @@ class CycleOutcome:
     finished: bool = False
     connected: bool = False
     forwarded: list[str] = field(default_factory=list)
+    retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
 
 
 class Supervisor:
@@ -147,6 +149,11 @@ class Supervisor:
         while True:
             self.cycles += 1
             outcome = self._run_cycle(restarts)
+            if outcome.retry is not None:
+                logger.warning("%s", outcome.retry)
+                append_event(self.store.events_path, "fallback", message=outcome.retry,
+                             cycle=self.cycles)
+                continue
             if outcome.finished:
                 if outcome.exit_code == 0:
                     return self._exit(0, ExitReason.FINISHED, "training finished")
@@ -236,6 +243,9 @@ class Supervisor:
         child = self._child_factory(argv, env)
         started = self._clock()
         child.start()
+        notify_started = getattr(self.engine, "child_started", None)
+        if notify_started is not None:
+            notify_started(child.pid)
         end = self.deadline.end(started, started)
         logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
                     child.pid, self.deadline.source,
@@ -248,6 +258,11 @@ class Supervisor:
         final = self.engine.end_cycle()
         if outcome.confirmed is None and final is not None:
             outcome.confirmed = final
+        after_exit = getattr(self.engine, "after_exit", None)
+        if after_exit is not None:
+            requested = (outcome.stop_cause is not None or outcome.confirmed is not None
+                         or bool(outcome.forwarded))
+            outcome.retry = after_exit(outcome.exit_code, requested)
         complete = self.store.is_complete()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         return outcome

@@ -1,7 +1,15 @@
 """Engines: the ways a snapshot of the training is taken and restored.
 
 The supervisor talks to an engine through :class:`Engine`; ``hooks`` asks the training
-process (which uses ``procckpt.Checkpointer``) to save its own state.
+process (which uses ``procckpt.Checkpointer``) to save its own state; ``dmtcp`` saves the whole
+process image of an unmodified command.
+
+Two optional methods, looked up with ``getattr`` so that an engine needs them only if it uses
+them: ``child_started(pid)`` (the cycle's command runs as ``pid``, leader of its own process
+group) and ``after_exit(exit_code, requested) -> str | None`` (called after ``end_cycle``;
+``requested`` says whether the supervisor stopped or signalled the command; a message means
+"run another cycle, this one failed for the engine's reasons", e.g. a process image that could
+not be restored, and says why).
 """
 
 from __future__ import annotations

@@ -1,0 +1,185 @@
+"""Which engine runs a command: ``--engine auto`` decided, with the reason ``procckpt run`` logs.
+
+The rule of ``auto``, first match wins:
+
+1. the checkpoint dir already holds checkpoints: the engine that wrote the newest one (a run
+   must not switch engines halfway and start again from scratch);
+2. the command's script imports procckpt (``import procckpt`` / ``from procckpt``): hooks;
+3. DMTCP is not installed (no ``dmtcp_launch`` on PATH): hooks;
+4. CUDA devices are visible: hooks (DMTCP cannot checkpoint a process that uses CUDA);
+5. a test launch under DMTCP fails: hooks;
+6. otherwise DMTCP: the command knows nothing of procckpt and DMTCP can image it.
+
+The script is the first ``*.py`` argument, the module of ``-m``, or the code of ``-c``; a
+script that reaches procckpt only through another module it imports is not seen: name the
+engine (``--engine hooks``) in that case.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import UsageError
+from ..store import CheckpointStore
+from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
+
+__all__ = ["EngineChoice", "choose_engine", "cuda_visible", "imports_procckpt"]
+
+logger = logging.getLogger(__name__)
+
+_IMPORT_RE = re.compile(r"^\s*(?:import\s+procckpt\b|from\s+procckpt(?:\.\w+)*\s+import\b)",
+                        re.MULTILINE)
+_SCRIPT_LIMIT = 4 << 20
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    name: str  # "hooks" or "dmtcp"
+    reason: str
+    tools: DmtcpTools | None = None
+
+
+def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
+                  environ: Mapping[str, str] | None = None, cwd: Path | None = None,
+                  find: Callable[[], DmtcpTools | None] = find_dmtcp,
+                  probe: Callable[[DmtcpTools], str | None] | None = None,
+                  dev: Path = Path("/dev")) -> EngineChoice:
+    """Decide the engine for ``command``; see the module docstring for the ``auto`` rule.
+
+    Raises:
+        UsageError: ``--engine dmtcp`` without DMTCP installed, or checkpoints in the dir that
+            the chosen engine cannot resume.
+    """
+    environ = os.environ if environ is None else environ
+    probe = probe or probe_dmtcp
+    written_by = _newest_engine(store)
+    if requested == "hooks":
+        if written_by == "dmtcp":
+            raise UsageError(f"{store.root} holds DMTCP images, which the hooks engine cannot "
+                             "resume: run with --engine dmtcp, or use a new --dir")
+        return EngineChoice("hooks", "--engine hooks")
+    if requested == "dmtcp":
+        tools = find()
+        if tools is None:
+            raise UsageError(missing_dmtcp_message("--engine dmtcp needs DMTCP"))
+        gpu = cuda_visible(environ, dev)
+        if gpu:
+            logger.warning("%s, and DMTCP cannot checkpoint a process that uses CUDA: if the "
+                           "command uses the GPU, run it with --engine hooks", gpu)
+        return EngineChoice("dmtcp", "--engine dmtcp", tools)
+
+    if written_by == "dmtcp":
+        tools = find()
+        if tools is None:
+            raise UsageError(missing_dmtcp_message(f"the checkpoints in {store.root} are DMTCP "
+                                                   "images"))
+        return EngineChoice("dmtcp", "the checkpoint dir holds DMTCP images", tools)
+    if written_by is not None:
+        return EngineChoice(written_by, f"the checkpoint dir holds {written_by} checkpoints")
+    script = imports_procckpt(command, cwd or Path.cwd())
+    if script is not None:
+        return EngineChoice("hooks", f"{script} imports procckpt")
+    tools = find()
+    if tools is None:
+        return EngineChoice("hooks", "DMTCP is not installed (no dmtcp_launch on PATH); the "
+                                     "command must use procckpt.Checkpointer to be checkpointed")
+    gpu = cuda_visible(environ, dev)
+    if gpu:
+        return EngineChoice("hooks", f"{gpu}, and DMTCP cannot checkpoint CUDA processes; the "
+                                     "command must use procckpt.Checkpointer to be checkpointed")
+    problem = probe(tools)
+    if problem is not None:
+        return EngineChoice("hooks", f"DMTCP is installed but {problem}")
+    return EngineChoice("dmtcp", "the command does not import procckpt and DMTCP is installed",
+                        tools)
+
+
+def _newest_engine(store: CheckpointStore) -> str | None:
+    infos = store.checkpoints()
+    if not infos:
+        return None
+    engine = infos[0].manifest.get("engine")
+    return str(engine) if engine in ("hooks", "dmtcp") else None
+
+
+def imports_procckpt(command: list[str], cwd: Path) -> str | None:
+    """The script of ``command`` if its source imports procckpt, else None."""
+    for source_name, text in _sources(command, cwd):
+        if _IMPORT_RE.search(text):
+            return source_name
+    return None
+
+
+def _sources(command: list[str], cwd: Path) -> list[tuple[str, str]]:
+    found: list[tuple[str, str]] = []
+    args = command[1:] if command else []
+    for i, arg in enumerate(args):
+        if arg == "-c" and i + 1 < len(args):
+            found.append(("the -c code", args[i + 1]))
+            break
+        if arg == "-m" and i + 1 < len(args):
+            base = cwd / args[i + 1].replace(".", "/")
+            for candidate in (base.with_suffix(".py"), base / "__main__.py"):
+                text = _read(candidate)
+                if text is not None:
+                    found.append((str(candidate), text))
+                    break
+            break
+        if arg.endswith(".py"):
+            path = Path(arg) if os.path.isabs(arg) else cwd / arg
+            text = _read(path)
+            if text is not None:
+                found.append((arg, text))
+                break
+    if command and command[0].endswith(".py"):  # ./train.py run directly
+        text = _read(cwd / command[0])
+        if text is not None:
+            found.append((command[0], text))
+    return found
+
+
+def _read(path: Path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(_SCRIPT_LIMIT).decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def cuda_visible(environ: Mapping[str, str], dev: Path = Path("/dev")) -> str | None:
+    """Why CUDA devices look usable by the command, or None."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        if visible.strip() in ("", "-1", "NoDevFiles"):
+            return None
+        return f"CUDA_VISIBLE_DEVICES={visible}"
+    gpus = sorted(dev.glob("nvidia[0-9]*"))
+    if gpus:
+        return f"{len(gpus)} NVIDIA device(s) in {dev}"
+    return None
+
+
+def probe_dmtcp(tools: DmtcpTools) -> str | None:
+    """Launch ``true`` under DMTCP with a private coordinator; why that failed, or None."""
+    with tempfile.TemporaryDirectory(prefix="procckpt-dmtcp-probe-") as tmp:
+        argv = [tools.launch, "--new-coordinator", "--coord-port", "0", "--port-file",
+                str(Path(tmp) / "port"), "--ckptdir", tmp, "-q", "-q", "true"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DMTCP_")}
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env,
+                                  start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return "a test launch under dmtcp_launch did not finish in 60s"
+        except OSError as e:
+            return f"dmtcp_launch cannot be run ({e.strerror})"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"a test launch under dmtcp_launch failed (exit {done.returncode}: {last[:200]})"
+    return None

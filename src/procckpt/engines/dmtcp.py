@@ -1,0 +1,611 @@
+"""The DMTCP engine: checkpoints of an unmodified command, taken as whole process images.
+
+Each cycle gets a coordinator of its own, started here on a free port, so a run never joins a
+foreign or stale one and two runs on a node never meet::
+
+    cycle 1      dmtcp_coordinator --coord-port 0 --port-file DIR/dmtcp/coord-port
+                 dmtcp_launch  --join-coordinator --coord-port P ... -- CMD
+    cycle n      dmtcp_restart --join-coordinator --coord-port P ... ckpt-N/*.dmtcp
+    request      dmtcp_command --coord-port P --bcheckpoint  (--kcheckpoint for "stop"),
+                 from a thread, so that the supervisor's loop keeps running meanwhile
+
+DMTCP writes its images into ``DIR/dmtcp/images/`` (its ``--ckptdir``); once they are complete
+they are renamed into a store checkpoint (``ckpt-N/``, MANIFEST with sizes and CRC-32, fsync,
+rename), the same guarantees as the hooks engine's ``state.pt``. Facts about DMTCP 4.2 that
+shaped this module (measured; docs/dmtcp.md has the numbers):
+
+* ``dmtcp_command --bcheckpoint`` returns before the images are written (the coordinator drops
+  the blocking prefix). Completion is therefore read from the files: the coordinator writes its
+  ``dmtcp_restart_script_*.sh`` only after every process renamed its finished image into place,
+  and sets the script's execute bit after closing it.
+* A truncated image makes ``mtcp_restart`` spin forever. Only images whose checksums verify are
+  restarted, and a restore that does not reach the running state in time is killed.
+* A failed restore (unreadable image, missing saved file) exits with 99 within a second; the
+  cycle then falls back to the previous image (:meth:`DmtcpEngine.after_exit`).
+* DMTCP keeps copies of some open files beside an image (``<image>_files/``) and needs them at
+  restart under the absolute path they had; they are stored in the checkpoint and put back.
+* Processes that the coordinator kills (``--kcheckpoint``, ``--quit``) exit with status 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import stat
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ProcckptError, UsageError
+from ..events import append_event
+from ..store import CheckpointInfo, CheckpointStore
+from . import Confirmation
+
+__all__ = ["DmtcpEngine", "DmtcpTools", "find_dmtcp", "CKPT_SIGNAL", "missing_dmtcp_message"]
+
+logger = logging.getLogger(__name__)
+
+#: DMTCP's internal checkpoint signal, moved off its default SIGUSR2 (procckpt's "snapshot"
+#: signal) and off SIGUSR1 (NCCL's): a real-time signal nothing else here uses.
+CKPT_SIGNAL = signal.SIGRTMIN + 6
+#: How often the checkpoint thread looks for the finished images.
+POLL = 0.05
+#: How long a restore may take to reach the running state: a base plus time to read the image.
+RESTORE_BASE_S = 60.0
+RESTORE_BYTES_PER_S = 20e6
+#: After the command exited, how long to still wait for the coordinator's restart script.
+AFTER_EXIT_WAIT_S = 10.0
+ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
+_GIVEN_FILES_RE = re.compile(r'^given_ckpt_files="([^"]*)"', re.MULTILINE)
+_PEERS_RE = re.compile(r"NUM_PEERS=(\d+)")
+_RUNNING_RE = re.compile(r"RUNNING=(yes|no)")
+
+
+class DmtcpError(ProcckptError):
+    """DMTCP could not be started or driven."""
+
+
+def missing_dmtcp_message(reason: str) -> str:
+    return (f"{reason}, but dmtcp_launch is not on PATH: on a cluster try `module load dmtcp`; "
+            "elsewhere build DMTCP from https://github.com/dmtcp/dmtcp (./configure && make && "
+            "make install), or use --engine hooks")
+
+
+@dataclass(frozen=True)
+class DmtcpTools:
+    """Where the DMTCP programs are; all four come from one installation."""
+
+    launch: str
+    restart: str
+    command: str
+    coordinator: str
+
+    def version(self) -> str:
+        try:
+            out = subprocess.run([self.launch, "--version"], capture_output=True, text=True,
+                                 timeout=30).stdout
+        except (OSError, subprocess.SubprocessError):
+            return "unknown"
+        first = out.splitlines()[0] if out else ""
+        return first.rsplit(" ", 1)[-1] if first else "unknown"
+
+
+def find_dmtcp(path: str | None = None) -> DmtcpTools | None:
+    """The DMTCP installation on ``path`` (default $PATH), or None if ``dmtcp_launch`` is missing.
+
+    The other programs are taken from ``dmtcp_launch``'s own directory when they are there, so
+    that one run never mixes two installed versions.
+    """
+    launch = shutil.which("dmtcp_launch", path=path)
+    if launch is None:
+        return None
+    home = Path(launch).parent
+    found = {}
+    for name in ("dmtcp_restart", "dmtcp_command", "dmtcp_coordinator"):
+        sibling = home / name
+        found[name] = str(sibling) if os.access(sibling, os.X_OK) else shutil.which(name, path=path)
+        if found[name] is None:
+            return None
+    return DmtcpTools(launch, found["dmtcp_restart"], found["dmtcp_command"],
+                      found["dmtcp_coordinator"])
+
+
+@dataclass
+class _Job:
+    """One checkpoint request being served by the checkpoint thread."""
+
+    seq: int
+    reason: str
+    stop: bool
+    thread: threading.Thread | None = None
+    quit_after: bool = False  # a stop arrived while this (non-stop) checkpoint was in flight
+    committing: bool = False  # the images are complete and being moved into the store
+
+
+@dataclass
+class _Cycle:
+    """What the engine knows about the cycle in progress."""
+
+    token: str
+    port: int
+    coordinator: subprocess.Popen[bytes]
+    restored_from: CheckpointInfo | None
+    pid: int | None = None
+    running: threading.Event = field(default_factory=threading.Event)
+    over: threading.Event = field(default_factory=threading.Event)
+    over_at: float = 0.0
+    restore_failed: str | None = None
+
+
+class DmtcpEngine:
+    """Snapshots by DMTCP; see the module docstring.
+
+    Args:
+        store: the run's checkpoint store (images go into its checkpoints).
+        tools: the DMTCP installation (:func:`find_dmtcp`).
+        gzip: compress images (several times slower; default from $PROCCKPT_DMTCP_GZIP).
+        run: a seam for unit tests, ``subprocess.run``'s signature.
+    """
+
+    name = "dmtcp"
+
+    def __init__(self, store: CheckpointStore, tools: DmtcpTools, *, gzip: bool | None = None,
+                 environ: Mapping[str, str] | None = None,
+                 run: Callable[..., subprocess.CompletedProcess[str]] = subprocess.run) -> None:
+        environ = os.environ if environ is None else environ
+        self.store = store
+        self.tools = tools
+        self.gzip = gzip if gzip is not None else environ.get(ENV_GZIP, "") in ("1", "true", "yes")
+        self.work = store.root / "dmtcp"
+        self.images = self.work / "images"
+        self.port_file = self.work / "coord-port"
+        self._run = run
+        self._version: str | None = None
+        self._command: list[str] = []
+        self._cycle: _Cycle | None = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._job: _Job | None = None
+        self._confirmed: Confirmation | None = None
+        self._failed_images: set[str] = set()
+        self._monitor: threading.Thread | None = None
+
+    # -- Engine protocol ------------------------------------------------------------------
+    def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
+        if self._version is None:
+            self._version = self.tools.version()
+        self._command = list(argv)
+        self._confirmed = None
+        self._job = None
+        self._reset_work_dir()
+        image = self._newest_image()
+        if image is not None:
+            self._restore_saved_files(image)
+        coordinator, port = self._start_coordinator()
+        self._cycle = _Cycle(token, port, coordinator, image)
+        # -q -q: DMTCP's notes and warnings (running as root; "failed to restore this process
+        # as session leader", which is harmless under procckpt) would fill the command's stderr
+        # on every restart; its errors are still printed.
+        common = ["--join-coordinator", "--coord-host", "127.0.0.1", "--coord-port", str(port),
+                  "--ckptdir", str(self.images), "-q", "-q"]
+        if image is None:
+            logger.info("dmtcp: launching the command under DMTCP (coordinator port %d)", port)
+            out = [self.tools.launch, *common, "--gzip" if self.gzip else "--no-gzip",
+                   "--ckpt-signal", str(int(CKPT_SIGNAL)), *argv]
+        else:
+            images = [str(image.file(n)) for n in image.manifest["dmtcp"]["images"]]
+            taken_from = image.manifest.get("command")
+            if taken_from and taken_from != list(argv):
+                logger.warning("dmtcp: %s is an image of `%s`; it is restarted as it is (the "
+                               "command given now, `%s`, is not run). Use a new --dir to start "
+                               "the new command", image.name, " ".join(taken_from), " ".join(argv))
+            logger.info("dmtcp: restarting from %s (%s, written %s)", image.name,
+                        _megabytes(image.nbytes), time.strftime(
+                            "%H:%M:%S", time.localtime(image.created)))
+            append_event(self.store.events_path, "resume", checkpoint=image.name,
+                         engine=self.name, bytes=image.nbytes)
+            out = [self.tools.restart, *common, *images]
+        self._monitor = threading.Thread(target=self._watch_state, args=(self._cycle,),
+                                         name="procckpt-dmtcp-monitor", daemon=True)
+        self._monitor.start()
+        return out, {}
+
+    def child_started(self, pid: int) -> None:
+        """The supervisor started this cycle's command as ``pid`` (its own process group)."""
+        if self._cycle is not None:
+            self._cycle.pid = pid
+
+    def request(self, action: str, reason: str) -> int:
+        stop = action == "stop"
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+            job = self._job
+            if job is not None and job.thread is not None and job.thread.is_alive():
+                # One checkpoint at a time: the one in flight answers this request too, and a
+                # stop then ends the command as soon as its images are committed.
+                if stop and not job.stop:
+                    job.quit_after = True
+                return job.seq
+            job = _Job(seq, reason, stop)
+            job.thread = threading.Thread(target=self._serve, args=(job,),
+                                          name="procckpt-dmtcp-checkpoint", daemon=True)
+            self._job = job
+        job.thread.start()
+        return seq
+
+    def confirmation(self, seq: int) -> Confirmation | None:
+        with self._lock:
+            c = self._confirmed
+        if c is None or not (c.seq >= seq or c.stopping):
+            return None
+        return c
+
+    def connected(self) -> bool:
+        return self._cycle is not None and self._cycle.running.is_set()
+
+    def end_cycle(self) -> Confirmation | None:
+        cycle = self._cycle
+        if cycle is None:
+            return None
+        cycle.over_at = time.monotonic()
+        cycle.over.set()
+        job = self._job
+        if job is not None and job.thread is not None:
+            # The images of a --kcheckpoint are complete when the command exits; what is left
+            # is moving them into the store, which the next cycle must not race with. A
+            # thread still waiting for images gives up AFTER_EXIT_WAIT_S after the exit; one
+            # stuck in dmtcp_command is freed by stopping the coordinator.
+            limit = cycle.over_at + AFTER_EXIT_WAIT_S + 5
+            while job.thread.is_alive() and (job.committing or time.monotonic() < limit):
+                job.thread.join(timeout=0.2)
+        if self._monitor is not None:
+            self._monitor.join(timeout=5)
+        _stop_process(cycle.coordinator)
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout=30)
+        with self._lock:
+            c = self._confirmed
+        return c if c is not None and c.stopping and c.checkpoint is not None else None
+
+    def after_exit(self, exit_code: int, requested: bool) -> str | None:
+        """Called once the cycle ended (after :meth:`end_cycle`).
+
+        Returns a message when the next cycle should run differently because this one failed
+        to restore (it then restarts from the previous image); None otherwise. A command that
+        exited 0 by itself finished: the run is marked complete.
+        """
+        cycle = self._cycle
+        if cycle is None or requested:
+            return None
+        if exit_code == 0:
+            self.store.mark_complete(token=cycle.token, engine=self.name)
+            return None
+        image = cycle.restored_from
+        if image is None or (cycle.running.is_set() and cycle.restore_failed is None):
+            return None  # a crash of the command itself: the supervisor's rules apply
+        why = cycle.restore_failed or f"dmtcp_restart exited with {exit_code}"
+        self._failed_images.add(image.name)
+        append_event(self.store.events_path, "restore-failed", checkpoint=image.name,
+                     exit_code=exit_code, problem=why)
+        older = self._newest_image(quiet=True)
+        if older is None:
+            logger.error("dmtcp: restarting from %s failed (%s) and no older image is left; "
+                         "the images stay in %s (see DIR/dmtcp/coordinator.log)", image.name,
+                         why, self.store.ckpt_root)
+            return None
+        return (f"restarting from {image.name} failed ({why}); falling back to the previous "
+                f"image, {older.name}")
+
+    # -- images ---------------------------------------------------------------------------
+    def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
+        """The newest checkpoint holding intact DMTCP images that has not failed to restore.
+
+        Checksums are verified first: a truncated image would make mtcp_restart spin forever.
+        """
+        for info in self.store.valid_checkpoints():
+            if info.manifest.get("engine") != self.name:
+                raise UsageError(
+                    f"the newest checkpoint in {self.store.root} ({info.name}) was written by "
+                    f"the {info.manifest.get('engine')} engine, not by DMTCP: run with --engine "
+                    f"{info.manifest.get('engine')}, or use a new --dir")
+            if info.name in self._failed_images:
+                continue
+            return info
+        if self._failed_images and not quiet:
+            raise DmtcpError(f"every DMTCP image in {self.store.ckpt_root} failed to restart "
+                             f"({', '.join(sorted(self._failed_images))}); refusing to start "
+                             "from scratch: move the directory away to train anew")
+        return None
+
+    def _reset_work_dir(self) -> None:
+        """Empty DMTCP's image dir: what an earlier cycle left there (a half-written
+        ``.temp`` image, an old restart script) must not be taken for this cycle's images."""
+        self.work.mkdir(exist_ok=True)
+        shutil.rmtree(self.images, ignore_errors=True)
+        self.images.mkdir()
+        try:
+            self.port_file.unlink()
+        except FileNotFoundError:
+            pass
+
+    def _restore_saved_files(self, image: CheckpointInfo) -> None:
+        """Put the files DMTCP saved beside the image back where the image expects them."""
+        info = image.manifest["dmtcp"]
+        target_root = Path(info.get("ckptdir") or self.images)
+        for payload, rel in info.get("saved_files", {}).items():
+            target = target_root / rel
+            try:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                # A copy, not a link: DMTCP truncates and rewrites saved files in place at the
+                # next checkpoint, which must not change the committed one.
+                shutil.copy2(image.file(payload), target)
+            except OSError as e:
+                logger.warning("dmtcp: cannot put %s back at %s (%s); the restart may fail",
+                               payload, target, e.strerror)
+
+    # -- coordinator ----------------------------------------------------------------------
+    def _start_coordinator(self) -> tuple[subprocess.Popen[bytes], int]:
+        env = _clean_env(os.environ)
+        log = open(self.work / "coordinator.log", "ab")
+        try:
+            proc = subprocess.Popen(
+                [self.tools.coordinator, "--exit-on-last", "--coord-port", "0", "--port-file",
+                 str(self.port_file), "--ckptdir", str(self.images), "--interval", "0", "-q"],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                # Its own session: the supervisor's signals and clean-up of the command's
+                # process group must not take the coordinator along before it has written
+                # the restart script that says the images are complete.
+                start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            port = _read_port(self.port_file)
+            if port is not None:
+                return proc, port
+            if proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        _stop_process(proc)
+        raise DmtcpError(f"dmtcp_coordinator did not start (exit code {proc.returncode}); see "
+                         f"{self.work / 'coordinator.log'}")
+
+    def _command_args(self, cycle: _Cycle, *args: str, timeout: float = 30,
+                      ) -> subprocess.CompletedProcess[str] | None:
+        argv = [self.tools.command, "--coord-host", "127.0.0.1", "--coord-port", str(cycle.port),
+                *args]
+        try:
+            return self._run(argv, capture_output=True, text=True, timeout=timeout,
+                             env=_clean_env(os.environ))
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.debug("dmtcp_command %s failed: %s", " ".join(args), e)
+            return None
+
+    def _status(self, cycle: _Cycle) -> tuple[int, bool] | None:
+        """(peers, running) as the coordinator reports them; None if it does not answer."""
+        done = self._command_args(cycle, "--status", timeout=10)
+        if done is None or done.returncode != 0:
+            return None
+        peers, running = _PEERS_RE.search(done.stdout), _RUNNING_RE.search(done.stdout)
+        if peers is None or running is None:
+            return None
+        return int(peers.group(1)), running.group(1) == "yes"
+
+    def _watch_state(self, cycle: _Cycle) -> None:
+        """Until the command runs under DMTCP: note when it does, and kill a restore that
+        does not get there in time (mtcp_restart can spin forever on a bad image)."""
+        started = time.monotonic()
+        limit = None
+        if cycle.restored_from is not None:
+            limit = RESTORE_BASE_S + cycle.restored_from.nbytes / RESTORE_BYTES_PER_S
+        while not cycle.over.is_set():
+            state = self._status(cycle)
+            if state is not None and state[0] >= 1 and state[1]:
+                cycle.running.set()
+                return
+            if limit is not None and time.monotonic() - started > limit and cycle.pid:
+                cycle.restore_failed = f"the restore did not finish within {limit:.0f}s"
+                logger.error("dmtcp: %s; killing it", cycle.restore_failed)
+                try:
+                    os.killpg(cycle.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                return
+            cycle.over.wait(0.5)
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _serve(self, job: _Job) -> None:
+        cycle = self._cycle
+        assert cycle is not None
+        started = time.monotonic()
+        try:
+            written = self._take_images(cycle, job)
+            if written is None:
+                self._confirm(Confirmation(None, None, job.stop, job.seq,
+                                           "DMTCP wrote no complete image"))
+                return
+            names, write_seconds = written
+            job.committing = True
+            info = self._commit(names, job, write_seconds, cycle)
+        except Exception as e:  # a failed checkpoint must not kill the supervisor
+            logger.error("dmtcp: checkpoint failed: %s", e)
+            self._confirm(Confirmation(None, None, job.stop, job.seq, str(e)))
+            return
+        seconds = time.monotonic() - started
+        logger.info("dmtcp: checkpoint %s: %s written in %.1fs, committed in %.1fs (%s)",
+                    info.name, _megabytes(info.nbytes), write_seconds, seconds - write_seconds,
+                    job.reason)
+        append_event(self.store.events_path, "checkpoint", checkpoint=info.name,
+                     bytes=info.nbytes, seconds=round(seconds, 3),
+                     write_seconds=round(write_seconds, 3), reason=job.reason,
+                     engine=self.name)
+        stopping = job.stop or job.quit_after
+        if job.quit_after:
+            self._command_args(cycle, "--quit")
+        self._confirm(Confirmation(info.name, info.seq, stopping, self._seq if stopping else
+                                   job.seq))
+        try:
+            self.store.prune()
+        except OSError as e:
+            logger.warning("dmtcp: could not delete old images: %s", e)
+
+    def _confirm(self, c: Confirmation) -> None:
+        with self._lock:
+            self._confirmed = c
+
+    def _take_images(self, cycle: _Cycle, job: _Job) -> tuple[list[str], float] | None:
+        """Ask DMTCP for a checkpoint and wait until its images are complete.
+
+        Returns the image file names and the seconds the write took, or None when the
+        command or the coordinator went away first.
+        """
+        command = "--kcheckpoint" if job.stop else "--bcheckpoint"
+        sent_at: float | None = None
+        sends = 0
+        next_check = 0.0
+        while True:
+            now = time.monotonic()
+            if cycle.over.is_set() and now - cycle.over_at > AFTER_EXIT_WAIT_S:
+                return None
+            script = self._finished_script()
+            if script is not None and sent_at is not None:
+                return self._image_names(script), now - sent_at
+            if cycle.coordinator.poll() is not None:
+                script = self._finished_script()
+                if script is None or sent_at is None:
+                    return None
+                return self._image_names(script), now - sent_at
+            if sent_at is None and cycle.running.is_set() and not cycle.over.is_set():
+                if self._send(cycle, command):
+                    sends += 1
+                    sent_at = next_check = time.monotonic()
+                    next_check += 5
+                    continue
+            elif sent_at is not None and now >= next_check and sends < 5:
+                next_check = now + 2
+                if self._lost(cycle):
+                    logger.warning("dmtcp: the checkpoint request was not taken up; asking again")
+                    sent_at = None
+                    continue
+            time.sleep(POLL if sent_at is not None else 0.2)
+
+    def _send(self, cycle: _Cycle, command: str) -> bool:
+        """Send one checkpoint command; False if the coordinator cannot take it now."""
+        state = self._status(cycle)
+        if state is None or not state[1] or state[0] < 1:
+            return False  # a restore or another checkpoint is still in progress
+        done = self._command_args(cycle, command, timeout=3600)
+        if done is None:
+            return False
+        # DMTCP 4.2 answers a --kcheckpoint with status 2 and this sentence even on success.
+        return done.returncode == 0 or "checkpointed and killed" in done.stdout
+
+    def _lost(self, cycle: _Cycle) -> bool:
+        """Whether a sent checkpoint request seems not to have started: no image is being
+        written, none is finished, and the coordinator reports its processes running."""
+        if any(self.images.glob("*.temp")) or self._finished_script() is not None:
+            return False
+        state = self._status(cycle)
+        return (state is not None and state[1] and not any(self.images.glob("*.temp"))
+                and self._finished_script() is None)
+
+    def _finished_script(self) -> Path | None:
+        for script in self.images.glob("dmtcp_restart_script_*.sh"):
+            try:
+                if script.stat().st_mode & stat.S_IXUSR:
+                    return script
+            except FileNotFoundError:
+                continue
+        return None
+
+    def _image_names(self, script: Path) -> list[str]:
+        found = _GIVEN_FILES_RE.search(script.read_text(errors="replace"))
+        names = [Path(p).name for p in found.group(1).split()] if found else []
+        if not names:  # a DMTCP that writes its script differently: all images are ours
+            names = sorted(p.name for p in self.images.glob("*.dmtcp"))
+        missing = [n for n in names if not (self.images / n).is_file()]
+        if missing or not names:
+            raise DmtcpError(f"DMTCP reported images {names} but {missing or 'none'} are missing "
+                             f"from {self.images}")
+        return names
+
+    def _commit(self, names: list[str], job: _Job, write_seconds: float,
+                cycle: _Cycle) -> CheckpointInfo:
+        saved: dict[str, str] = {}
+        meta: dict[str, Any] = {
+            "engine": self.name, "reason": job.reason, "command": self._command,
+            "restored_from": cycle.restored_from.name if cycle.restored_from else None,
+            "write_seconds": round(write_seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID"),
+            "dmtcp": {"version": self._version, "images": names, "saved_files": saved,
+                      "ckptdir": str(self.images), "gzip": self.gzip},
+        }
+        with self.store.begin(meta) as pending:
+            for name in names:
+                os.rename(self.images / name, pending.path / name)
+                pending.add_file(name)
+                files_dir = self.images / (name.removesuffix(".dmtcp") + "_files")
+                for path in _saved_files(files_dir):
+                    payload = f"saved-{len(saved):03d}-{path.name}"
+                    os.rename(path, pending.path / payload)
+                    pending.add_file(payload)
+                    saved[payload] = str(path.relative_to(self.images))
+            for script in self.images.glob("dmtcp_restart_script*.sh"):
+                script.unlink(missing_ok=True)
+            return pending.commit()
+
+
+def _saved_files(files_dir: Path) -> list[Path]:
+    """The files DMTCP saved beside an image for this checkpoint.
+
+    ``fd-info.txt`` lists them (``name:original path`` per line); copies left from earlier
+    checkpoints, or put back for this cycle's restore, are not listed and not needed.
+    """
+    if not files_dir.is_dir():
+        return []
+    everything = sorted(p for p in files_dir.rglob("*") if p.is_file())
+    index = files_dir / "fd-info.txt"
+    try:
+        listed = {line.split(":", 1)[0] for line in index.read_text().splitlines() if line}
+    except OSError:
+        return everything  # no index: keep all, the restore then finds whatever it needs
+    return [p for p in everything if p == index or p.name in listed]
+
+
+def _read_port(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def _clean_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment without DMTCP_* settings: a user's DMTCP_COORD_HOST/PORT or
+    DMTCP_CHECKPOINT_INTERVAL must not send our commands to another coordinator."""
+    return {k: v for k, v in environ.items() if not k.startswith("DMTCP_")}
+
+
+def _stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            logger.error("dmtcp_coordinator (pid %d) survived SIGKILL", proc.pid)
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
