@@ -1,7 +1,7 @@
 """A plain Python loop that knows nothing about procckpt (the DMTCP engine's test).
 
 It advances a deterministic pseudo-random state for ``--steps`` steps, prints ``step N`` after
-each, and writes the final state to ``--out``. Nothing in it can resume: under ``procckpt run
+each, and writes the final state (and the hash of its random ballast) to ``--out``. Nothing in it can resume: under ``procckpt run
 --engine dmtcp`` a restarted cycle continues from the saved process image.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import time
 
 
@@ -17,7 +18,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--ballast-mb", type=int, default=0,
+                        help="hold this many MB of random bytes (a bigger, slower image)")
     args = parser.parse_args()
+    # Random bytes no second start could reproduce: the hash printed now and the one written
+    # at the end agree only if every cycle continued this very process's memory.
+    ballast = os.urandom(args.ballast_mb << 20)
+    print(f"ballast {hashlib.sha256(ballast).hexdigest()}", flush=True)
 
     state = hashlib.sha256(b"procckpt").digest()
     history = []  # grows with the steps, so that the image carries real heap state
@@ -27,7 +34,8 @@ def main() -> None:
         print(f"step {step}", flush=True)
         time.sleep(args.step_sleep)
     with open(args.out, "w") as f:
-        f.write(f"{state.hex()} {hashlib.sha256(b''.join(history)).hexdigest()}\n")
+        f.write(f"{state.hex()} {hashlib.sha256(b''.join(history)).hexdigest()} "
+                f"{hashlib.sha256(ballast).hexdigest()}\n")
     print("done", flush=True)
 
 

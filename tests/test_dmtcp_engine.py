@@ -1,0 +1,133 @@
+"""The DMTCP engine's pieces that need no DMTCP: finding it, reading what it wrote, choosing
+the image to restart from. tests/e2e/test_dmtcp.py runs the engine with the real DMTCP."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from procckpt.engines.dmtcp import (
+    CKPT_SIGNAL,
+    DmtcpEngine,
+    DmtcpError,
+    DmtcpTools,
+    _clean_env,
+    _saved_files,
+    find_dmtcp,
+)
+from procckpt.errors import UsageError
+from procckpt.store import CheckpointStore
+
+TOOLS = DmtcpTools("dmtcp_launch", "dmtcp_restart", "dmtcp_command", "dmtcp_coordinator")
+
+
+def fake_tool(directory: Path, name: str) -> Path:
+    path = directory / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_find_dmtcp_takes_all_programs_from_dmtcp_launchs_directory(tmp_path: Path):
+    one, other = tmp_path / "one", tmp_path / "other"
+    for name in ("dmtcp_launch", "dmtcp_restart", "dmtcp_command", "dmtcp_coordinator"):
+        fake_tool(one, name)
+    fake_tool(other, "dmtcp_command")  # earlier on PATH, but another installation
+    tools = find_dmtcp(f"{other}{os.pathsep}{one}")
+    assert tools == DmtcpTools(*(str(one / n) for n in ("dmtcp_launch", "dmtcp_restart",
+                                                        "dmtcp_command", "dmtcp_coordinator")))
+    assert find_dmtcp(str(other)) is None
+    (one / "dmtcp_restart").unlink()
+    assert find_dmtcp(str(one)) is None, "a launch without a restart is no use"
+
+
+def test_checkpoint_signal_is_off_usr1_and_usr2():
+    assert CKPT_SIGNAL not in (10, 12) and CKPT_SIGNAL >= 34
+
+
+def test_a_users_dmtcp_settings_never_reach_our_coordinator_commands():
+    env = _clean_env({"DMTCP_COORD_PORT": "7779", "DMTCP_COORD_HOST": "elsewhere",
+                      "DMTCP_CHECKPOINT_INTERVAL": "60", "PATH": "/bin"})
+    assert env == {"PATH": "/bin"}
+
+
+def test_only_the_saved_files_of_this_checkpoint_are_kept(tmp_path: Path):
+    files = tmp_path / "ckpt_python_1234_files"
+    files.mkdir()
+    (files / "fd-info.txt").write_text("gconv-modules.cache_2:/usr/lib/gconv/gconv-modules.cache\n")
+    (files / "gconv-modules.cache_1").write_bytes(b"left from the restore of this cycle")
+    (files / "gconv-modules.cache_2").write_bytes(b"saved for this checkpoint")
+    assert [p.name for p in _saved_files(files)] == ["fd-info.txt", "gconv-modules.cache_2"]
+    (files / "fd-info.txt").unlink()
+    assert [p.name for p in _saved_files(files)] == ["gconv-modules.cache_1",
+                                                     "gconv-modules.cache_2"]
+    assert _saved_files(tmp_path / "missing") == []
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> DmtcpEngine:
+    store = CheckpointStore(tmp_path / "ckpt").open()
+    engine = DmtcpEngine(store, TOOLS, environ={})
+    engine._reset_work_dir()
+    return engine
+
+
+def restart_script(engine: DmtcpEngine, names: list[str], executable: bool = True) -> Path:
+    script = engine.images / "dmtcp_restart_script_98ff-40000-1.sh"
+    given = " ".join(str(engine.images / n) for n in names)
+    script.write_text(f'#!/bin/bash\nckpt_timestamp="now"\ngiven_ckpt_files=" {given}"\n')
+    mode = script.stat().st_mode
+    script.chmod(mode | stat.S_IXUSR if executable else mode & ~stat.S_IXUSR)
+    return script
+
+
+def test_images_are_complete_once_the_restart_script_is_executable(engine: DmtcpEngine):
+    (engine.images / "ckpt_a_1.dmtcp").write_bytes(b"image a")
+    (engine.images / "ckpt_b_2.dmtcp").write_bytes(b"image b")
+    script = restart_script(engine, ["ckpt_a_1.dmtcp", "ckpt_b_2.dmtcp"], executable=False)
+    assert engine._finished_script() is None, "still being written by the coordinator"
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    assert engine._finished_script() == script
+    assert engine._image_names(script) == ["ckpt_a_1.dmtcp", "ckpt_b_2.dmtcp"]
+    (engine.images / "ckpt_b_2.dmtcp").unlink()
+    with pytest.raises(DmtcpError, match="missing"):
+        engine._image_names(script)
+
+
+def commit(store: CheckpointStore, engine: str, name: str = "ckpt_x.dmtcp") -> str:
+    meta = {"engine": engine, "dmtcp": {"images": [name], "saved_files": {}}}
+    with store.begin(meta) as pending:
+        with pending.open(name) as f:
+            f.write(os.urandom(100))
+        return pending.commit().name
+
+
+def test_the_newest_intact_image_not_known_to_fail_is_restarted(engine: DmtcpEngine):
+    assert engine._newest_image() is None
+    first = commit(engine.store, "dmtcp")
+    second = commit(engine.store, "dmtcp")
+    assert engine._newest_image().name == second
+    engine._failed_images.add(second)
+    assert engine._newest_image().name == first
+    engine._failed_images.add(first)
+    assert engine._newest_image(quiet=True) is None
+    with pytest.raises(DmtcpError, match="refusing to start from scratch"):
+        engine._newest_image()
+
+
+def test_a_hooks_checkpoint_is_not_taken_for_an_image(engine: DmtcpEngine):
+    commit(engine.store, "hooks", name="state.pt")
+    with pytest.raises(UsageError, match="run with --engine hooks"):
+        engine._newest_image()
+
+
+def test_a_new_cycle_starts_with_an_empty_image_dir(engine: DmtcpEngine):
+    (engine.images / "ckpt_a_1.dmtcp.temp").write_bytes(b"half an image")
+    restart_script(engine, [])
+    engine.port_file.write_text("7779")
+    engine._reset_work_dir()
+    assert list(engine.images.iterdir()) == [] and not engine.port_file.exists()

@@ -1,0 +1,138 @@
+"""--engine auto|hooks|dmtcp: which engine runs a command, and the reason given.
+
+The DMTCP installation and its test launch are seams here (``find``, ``probe``); the
+end-to-end tests in tests/e2e/test_dmtcp.py run the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from procckpt.engines.choice import choose_engine, cuda_visible, imports_procckpt
+from procckpt.engines.dmtcp import DmtcpTools
+from procckpt.errors import UsageError
+from procckpt.store import CheckpointStore
+
+TOOLS = DmtcpTools("/opt/d/dmtcp_launch", "/opt/d/dmtcp_restart", "/opt/d/dmtcp_command",
+                   "/opt/d/dmtcp_coordinator")
+NO_GPU: dict[str, str] = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "ckpt").open()
+
+
+def write_script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def choose(store: CheckpointStore, command: list[str], tmp_path: Path, requested: str = "auto",
+           environ: dict[str, str] | None = None, tools: DmtcpTools | None = TOOLS,
+           probe_result: str | None = None):
+    return choose_engine(requested, command, store, environ=NO_GPU if environ is None else environ,
+                         cwd=tmp_path, find=lambda: tools, probe=lambda t: probe_result,
+                         dev=tmp_path / "dev")
+
+
+def commit(store: CheckpointStore, engine: str) -> None:
+    with store.begin({"engine": engine}) as pending:
+        with pending.open("payload") as f:
+            f.write(b"x")
+        pending.commit()
+
+
+@pytest.mark.parametrize("source", [
+    "import procckpt\n",
+    "import os\nfrom procckpt import Checkpointer\n",
+    "from procckpt.state import Checkpointer\n",
+    "if True:\n    import procckpt as p\n",
+])
+def test_a_script_importing_procckpt_gets_hooks(tmp_path, store, source):
+    write_script(tmp_path, "train.py", source)
+    choice = choose(store, ["python", "train.py", "--epochs", "3"], tmp_path)
+    assert choice.name == "hooks"
+    assert choice.reason == "train.py imports procckpt"
+
+
+def test_a_plain_script_gets_dmtcp_when_it_is_installed(tmp_path, store):
+    write_script(tmp_path, "train.py", "import torch  # no procckpt here\n# import procckpt\n")
+    choice = choose(store, ["python", "train.py"], tmp_path)
+    assert (choice.name, choice.tools) == ("dmtcp", TOOLS)
+    assert "does not import procckpt" in choice.reason
+
+
+def test_module_and_inline_code_are_read(tmp_path, store):
+    write_script(tmp_path, "pkg/train.py", "from procckpt import Checkpointer\n")
+    assert choose(store, ["python", "-m", "pkg.train"], tmp_path).name == "hooks"
+    write_script(tmp_path, "app/__main__.py", "import procckpt\n")
+    assert choose(store, ["python", "-m", "app"], tmp_path).name == "hooks"
+    assert choose(store, ["python", "-c", "import procckpt; print(1)"], tmp_path).name == "hooks"
+    assert choose(store, ["python", "-c", "print(1)"], tmp_path).name == "dmtcp"
+    assert imports_procckpt(["sh", "-c", "exit 7"], tmp_path) is None
+
+
+def test_without_dmtcp_auto_falls_back_to_hooks_and_says_why(tmp_path, store):
+    choice = choose(store, ["sh", "-c", "true"], tmp_path, tools=None)
+    assert choice.name == "hooks"
+    assert "DMTCP is not installed (no dmtcp_launch on PATH)" in choice.reason
+
+
+def test_engine_dmtcp_without_dmtcp_is_a_one_line_error_saying_how_to_get_it(tmp_path, store):
+    with pytest.raises(UsageError) as err:
+        choose(store, ["python", "train.py"], tmp_path, requested="dmtcp", tools=None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "dmtcp_launch is not on PATH" in message and "module load dmtcp" in message
+
+
+def test_visible_gpus_keep_auto_on_hooks_and_warn_under_engine_dmtcp(tmp_path, store, caplog):
+    gpu_env = {"CUDA_VISIBLE_DEVICES": "0,1"}
+    choice = choose(store, ["python", "-c", "pass"], tmp_path, environ=gpu_env)
+    assert choice.name == "hooks" and "CUDA_VISIBLE_DEVICES=0,1" in choice.reason
+    with caplog.at_level(logging.WARNING, logger="procckpt"):
+        forced = choose(store, ["python", "-c", "pass"], tmp_path, requested="dmtcp",
+                        environ=gpu_env)
+    assert forced.name == "dmtcp"
+    assert "DMTCP cannot checkpoint a process that uses CUDA" in caplog.text
+    assert "--engine hooks" in caplog.text
+
+
+def test_cuda_visible_reads_the_variable_then_the_device_files(tmp_path):
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    assert cuda_visible({}, dev) is None
+    assert cuda_visible({"CUDA_VISIBLE_DEVICES": "-1"}, dev) is None
+    assert cuda_visible({"CUDA_VISIBLE_DEVICES": "GPU-1234"}, dev) == "CUDA_VISIBLE_DEVICES=GPU-1234"
+    (dev / "nvidia0").touch()
+    (dev / "nvidiactl").touch()
+    assert cuda_visible({}, dev) == f"1 NVIDIA device(s) in {dev}"
+    assert cuda_visible({"CUDA_VISIBLE_DEVICES": ""}, dev) is None
+
+
+def test_a_failed_test_launch_keeps_auto_on_hooks(tmp_path, store):
+    choice = choose(store, ["python", "-c", "pass"], tmp_path,
+                    probe_result="a test launch under dmtcp_launch failed (exit 1: boom)")
+    assert choice.name == "hooks"
+    assert choice.reason == "DMTCP is installed but a test launch under dmtcp_launch failed " \
+                            "(exit 1: boom)"
+
+
+def test_existing_checkpoints_decide_so_a_run_never_switches_engines(tmp_path, store):
+    write_script(tmp_path, "train.py", "import procckpt\n")
+    commit(store, "dmtcp")
+    choice = choose(store, ["python", "train.py"], tmp_path)
+    assert choice.name == "dmtcp" and choice.reason == "the checkpoint dir holds DMTCP images"
+    with pytest.raises(UsageError, match="module load dmtcp"):
+        choose(store, ["python", "train.py"], tmp_path, tools=None)
+    with pytest.raises(UsageError, match="hooks engine cannot resume"):
+        choose(store, ["python", "train.py"], tmp_path, requested="hooks")
+    commit(store, "hooks")
+    plain = choose(store, ["python", "-c", "pass"], tmp_path)
+    assert plain.name == "hooks" and plain.reason == "the checkpoint dir holds hooks checkpoints"
