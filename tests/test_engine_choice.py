@@ -109,7 +109,7 @@ def test_cuda_visible_reads_the_variable_then_the_device_files(tmp_path):
     dev.mkdir()
     assert cuda_visible({}, dev) is None
     assert cuda_visible({"CUDA_VISIBLE_DEVICES": "-1"}, dev) is None
-    assert cuda_visible({"CUDA_VISIBLE_DEVICES": "GPU-1234"}, dev) == "CUDA_VISIBLE_DEVICES=GPU-1234"
+    assert cuda_visible({"CUDA_VISIBLE_DEVICES": "GPU-12"}, dev) == "CUDA_VISIBLE_DEVICES=GPU-12"
     (dev / "nvidia0").touch()
     (dev / "nvidiactl").touch()
     assert cuda_visible({}, dev) == f"1 NVIDIA device(s) in {dev}"

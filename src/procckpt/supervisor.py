@@ -350,7 +350,11 @@ class Supervisor:
         return self.engine.request(action, reason)
 
     def _log_confirmed(self, c: Confirmation, waited: float) -> None:
-        logger.info("checkpoint %s confirmed (step %s) after %.1fs", c.checkpoint, c.step, waited)
+        if c.checkpoint is None:
+            logger.warning("the checkpoint failed after %.1fs: %s", waited, c.error or "unknown")
+        else:
+            logger.info("checkpoint %s confirmed (step %s) after %.1fs", c.checkpoint, c.step,
+                        waited)
         append_event(self.store.events_path, "confirmed", checkpoint=c.checkpoint, step=c.step,
                      seconds=round(waited, 3), cycle=self.cycles)
 

@@ -1,8 +1,9 @@
 """A plain Python loop that knows nothing about procckpt (the DMTCP engine's test).
 
 It advances a deterministic pseudo-random state for ``--steps`` steps, prints ``step N`` after
-each, and writes the final state (and the hash of its random ballast) to ``--out``. Nothing in it can resume: under ``procckpt run
---engine dmtcp`` a restarted cycle continues from the saved process image.
+each, and writes the final state (and the hash of its random ballast) to ``--out``. Nothing in
+it can resume: under ``procckpt run --engine dmtcp`` a restarted cycle continues from the saved
+process image.
 """
 
 from __future__ import annotations

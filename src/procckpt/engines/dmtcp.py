@@ -127,6 +127,7 @@ class _Job:
     thread: threading.Thread | None = None
     quit_after: bool = False  # a stop arrived while this (non-stop) checkpoint was in flight
     committing: bool = False  # the images are complete and being moved into the store
+    answered: bool = False  # its confirmation is out: a later request needs a new checkpoint
 
 
 @dataclass
@@ -228,7 +229,7 @@ class DmtcpEngine:
             self._seq += 1
             seq = self._seq
             job = self._job
-            if job is not None and job.thread is not None and job.thread.is_alive():
+            if job is not None and not job.answered:
                 # One checkpoint at a time: the one in flight answers this request too, and a
                 # stop then ends the command as soon as its images are committed.
                 if stop and not job.stop:
@@ -447,11 +448,13 @@ class DmtcpEngine:
                      bytes=info.nbytes, seconds=round(seconds, 3),
                      write_seconds=round(write_seconds, 3), reason=job.reason,
                      engine=self.name)
-        stopping = job.stop or job.quit_after
-        if job.quit_after:
-            self._command_args(cycle, "--quit")
-        self._confirm(Confirmation(info.name, info.seq, stopping, self._seq if stopping else
-                                   job.seq))
+        with self._lock:
+            stopping = job.stop or job.quit_after
+            self._confirmed = Confirmation(info.name, info.seq, stopping,
+                                           self._seq if stopping else job.seq)
+            job.answered = True
+        if stopping and not job.stop:
+            self._command_args(cycle, "--quit")  # the stop that arrived during this checkpoint
         try:
             self.store.prune()
         except OSError as e:
@@ -460,6 +463,8 @@ class DmtcpEngine:
     def _confirm(self, c: Confirmation) -> None:
         with self._lock:
             self._confirmed = c
+            if self._job is not None and self._job.seq == c.seq:
+                self._job.answered = True
 
     def _take_images(self, cycle: _Cycle, job: _Job) -> tuple[list[str], float] | None:
         """Ask DMTCP for a checkpoint and wait until its images are complete.
