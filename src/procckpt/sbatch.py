@@ -37,7 +37,6 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import __version__
 from .config import DEFAULT_GRACE, RunConfig
 from .durations import parse_duration
 from .errors import EX_TEMPFAIL, ProcckptError, UsageError
@@ -79,6 +78,7 @@ class SbatchSpec:
     user_signal: str | None = None  # the --signal the user gave, if any
     max_restarts: int = RunConfig.max_restarts
     launcher: str = "procckpt"
+    argv: list[str] = field(default_factory=list)  # as typed, for the script's header
 
     @property
     def all_directives(self) -> list[list[str]]:
@@ -164,7 +164,7 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
     if not command:
         raise UsageError("no command after '--': e.g. procckpt sbatch -t 4:00:00 -- python "
                          "train.py")
-    spec = SbatchSpec(command=list(command))
+    spec = SbatchSpec(command=list(command), argv=[a for a in argv if a != "--dry-run"])
     grace_text: str | None = None
     signal_option: str | None = None
     for group in _group(words):
@@ -297,7 +297,7 @@ def render_job_script(spec: SbatchSpec) -> str:
         if spec.wrapped:
             lines.append("# from the command line:")
         lines += [_directive_line(g) for g in spec.directives]
-    lines.append(f"# Written by `procckpt sbatch` (procckpt {__version__}).")
+    lines.append("# Written by: " + shlex.join(["procckpt", "sbatch", *spec.argv]))
     run = [spec.launcher, "run", *spec.run_options, "--", *spec.command]
     if container:
         lines += _container_body(spec, run)
@@ -357,11 +357,11 @@ def _container_body(spec: SbatchSpec, run: list[str]) -> list[str]:
         f"are missing. It learns the job's end time from {ENV_END_TIME} (set below), "
         f"checkpoints before it and {then}.",
         "No --signal: a signal sent into the srun step would reach the training processes too.")
+    lines.append("set -u")
+    if spec.chain is None:
+        lines += [f"max_restarts={spec.max_restarts}", "stopped_by_slurm=0",
+                  "trap 'stopped_by_slurm=1' TERM"]
     lines += [
-        "set -u",
-        f"max_restarts={spec.max_restarts}",
-        "stopped_by_slurm=0",
-        "trap 'stopped_by_slurm=1' TERM",
         'if end_time="$(squeue -h -j "$SLURM_JOB_ID" -o %e)" && '
         'end_epoch="$(date -d "$end_time" +%s)"; then',
         f'    export {ENV_END_TIME}="$end_epoch"',

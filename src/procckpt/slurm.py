@@ -372,6 +372,10 @@ class SlurmDeadline:
                             time.strftime("%H:%M:%S", time.localtime(record.end_time)))
             self.end_wall = record.end_time
             self.slurm_limit = record.time_limit or self.slurm_limit
+        if self.slurm_limit is None and self.end_wall is not None:
+            # No TimeLimit to size the default grace by (inside a container only the end
+            # time is known): the time left at the first read stands in for it.
+            self.slurm_limit = max(1.0, self.end_wall - self._wall())
         elif self.end_wall is None and not self._warned:
             self._warned = True
             logger.warning("%s: cannot learn the job's end time (no scontrol or squeue answer, "
@@ -445,10 +449,10 @@ class SlurmRequeue:
                            "again (with a longer --chain) to continue")
         if restarts >= self.config.max_restarts:
             return Verdict(Decision.BUDGET_EXHAUSTED,
-                           f"restart budget exhausted: {label} was requeued {restarts} times "
-                           f"(SLURM_RESTART_COUNT) and --max-restarts is "
-                           f"{self.config.max_restarts}; not requeued. The checkpoint is kept: "
-                           "submit again, or raise --max-restarts, to continue")
+                           f"restart budget exhausted: {label} has used {restarts} of "
+                           f"--max-restarts {self.config.max_restarts} (SLURM_RESTART_COUNT), "
+                           "so it is not requeued again. The checkpoint is kept: submit again, "
+                           "or raise --max-restarts, to continue")
         if not self.job.has("scontrol"):
             return Verdict(Decision.EXIT_RETRY,
                            f"{label} stopped ({why}) but scontrol is not available here "
@@ -569,9 +573,9 @@ def startup_warnings(job: SlurmJob, config: RunConfig, *, parent_cmdline: list[s
     if under_batch_shell and signal_spec.upper().startswith(("B:", "RB:", "BR:")):
         warnings.append(
             f"procckpt runs under the job's batch shell, which gets the --signal={signal_spec} "
-            "signal and does not pass it on while it waits: start procckpt with "
-            "`exec procckpt run ...` in the job script (procckpt still checkpoints at the end "
-            "time it reads from Slurm)")
+            "signal instead of procckpt: the shell dies of it (ending the job) or, with a "
+            "trap, acts only after procckpt exits. Start procckpt with `exec procckpt run ...` "
+            "in the job script")
     if script is not None and env.chain_position is None:
         open_mode = (_directive_value(directives, "--open-mode") or "").lower()
         if open_mode != "append" and (job.config_value("JobFileAppend") or "0") != "1":
@@ -621,6 +625,6 @@ def slurm_deadline_and_policy(config: RunConfig, *, environ: Mapping[str, str] |
         logger.warning("%s", message)
     position = f", chain task {env.chain_position[0]} of {env.chain_position[1]}" \
         if env.chain_position else ""
-    logger.info("%s: restart %d%s; checkpoint signal SIG%s", env.label, env.restart_count,
+    logger.info("%s: restart %d%s; checkpoint signal SIG%s", env.label, policy.initial_restarts,
                 position, config.checkpoint_signal)
     return SlurmSetup(deadline, policy, warnings)
