@@ -586,8 +586,9 @@ def startup_warnings(job: SlurmJob, config: RunConfig, *, parent_cmdline: list[s
     reason = node_local_reason(config.dir, env, mounts_text)
     if reason is not None:
         warnings.append(
-            f"the checkpoint dir {config.dir.absolute()} looks node-local ({reason}): a requeued job may "
-            "start on another node, or find it wiped; put --dir on a shared filesystem")
+            f"the checkpoint dir {config.dir.absolute()} looks node-local ({reason}): a "
+            "requeued job may start on another node, or find it wiped; put --dir on a shared "
+            "filesystem")
     if not job.has("scontrol"):
         warnings.append(
             f"scontrol not found (inside a container?): procckpt cannot requeue {env.label}; "
@@ -596,9 +597,9 @@ def startup_warnings(job: SlurmJob, config: RunConfig, *, parent_cmdline: list[s
         record = job.record()
         if record is not None and record.requeue_allowed is False:
             warnings.append(
-                f"{env.label} cannot be requeued (Requeue=0: the site's JobRequeue=0 and no "
-                "--requeue): submit with --requeue, or use procckpt sbatch --chain N; until then "
-                f"a checkpointed stop exits with {EX_TEMPFAIL}")
+                f"{env.label} cannot be requeued (Requeue=0: submitted with --no-requeue, or the "
+                "site's JobRequeue=0 and no --requeue): submit with --requeue, or use procckpt "
+                f"sbatch --chain N; until then a checkpointed stop exits with {EX_TEMPFAIL}")
     return warnings
 
 

@@ -13,10 +13,10 @@ the test cluster is ~7 s (cred_expire=5; Slurm's default hold is 120 s).
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -130,10 +130,12 @@ def job_env(cluster: SlurmCluster) -> dict[str, str]:
     return env
 
 
-def procckpt_sbatch(cluster: SlurmCluster, job: Job, args: list[str], command: list[str]) -> None:
+def procckpt_sbatch(cluster: SlurmCluster, job: Job, args: list[str], command: list[str],
+                    env: dict[str, str] | None = None) -> None:
     res = subprocess.run([PYTHON, "-m", "procckpt", "sbatch", "--parsable", "-o",
                           str(job.workdir / "slurm.out"), "--dir", str(job.workdir / "ckpt"),
-                          *args, "--", *command], cwd=job.workdir, env=job_env(cluster),
+                          *args, "--", *command], cwd=job.workdir,
+                         env={**job_env(cluster), **(env or {})},
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, f"procckpt sbatch failed: {res.stderr}"
     job.job_id = int(res.stdout.strip().split(";")[0])
@@ -164,7 +166,7 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
                     "install -e . so that job scripts can run `procckpt`")
     root = tmp_path_factory.mktemp("slurm-e2e")
     jobs = {name: Job(name, root / name) for name in
-            ("cancel", "requeue", "nosignal", "budget", "chain")}
+            ("cancel", "requeue", "nosignal", "budget", "chain", "warnings", "container")}
     for job in jobs.values():
         job.workdir.mkdir()
     cluster = slurm_cluster
@@ -184,12 +186,32 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     script = ("#!/bin/bash\n#SBATCH -t 1\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
               f"exec procckpt run --dir {nosignal.workdir / 'ckpt'} -- {PYTHON} {POLY} "
               f"{' '.join(POLY_ARGS)} --out {nosignal.workdir / 'final.pt'}\n")
-    (nosignal.workdir / "job.sh").write_text(script)
-    res = subprocess.run(["sbatch", "--parsable", "-o", str(nosignal.workdir / "slurm.out"),
-                          str(nosignal.workdir / "job.sh")], cwd=nosignal.workdir,
-                         env=job_env(cluster), capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    nosignal.job_id = int(res.stdout.strip().split(";")[0])
+    nosignal.job_id = _sbatch_file(cluster, nosignal, script)
+
+    # Everything the start-up checks look for at once: no `exec` while the script asks for a
+    # B: signal, no --open-mode=append, --no-requeue, a checkpoint dir under /tmp.
+    warned = jobs["warnings"]
+    local_dir = Path(tempfile.mkdtemp(prefix="procckpt-slurm-test-", dir="/tmp"))
+    warned.extra["local_dir"] = local_dir
+    script = ("#!/bin/bash\n#SBATCH -t 1\n#SBATCH --signal=B:USR1@15\n#SBATCH --no-requeue\n"
+              f"procckpt run --dir {local_dir / 'ckpt'} -- {PYTHON} {TINY} "
+              f"{' '.join(ENDLESS_ARGS)}\n")
+    warned.job_id = _sbatch_file(cluster, warned, script)
+
+    # Container mode through a stand-in for Pyxis' srun (see tests/programs/pyxis_srun):
+    # procckpt inside has no scontrol; the job script outside requeues on its exit code 75.
+    container = jobs["container"]
+    stub = root / "pyxis-bin"
+    stub.mkdir()
+    (stub / "srun").symlink_to(PROGRAMS / "pyxis_srun")
+    real_srun = shutil.which("srun", path=cluster.env["PATH"])
+    assert real_srun is not None
+    procckpt_sbatch(cluster, container, ["-t", "1", "--container-image=pytorch.sqsh",
+                                         "--container-mounts=/data:/data"],
+                    [PYTHON, str(TINY), *TRAIN_ARGS, "--out", str(container.workdir / "final.pt")],
+                    env={"PATH": f"{stub}:{job_env(cluster)['PATH']}",
+                         "PROCCKPT_TEST_CONTAINER_PATH": str(Path(PYTHON).parent),
+                         "PROCCKPT_TEST_REAL_SRUN": real_srun})
 
     watcher = JobWatcher(cluster).start()
     # The uninterrupted references, computed here while the jobs run.
@@ -207,6 +229,17 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
         watcher.stop()
         ids = [str(j.job_id) for j in jobs.values() if j.job_id]
         cluster.run(["scancel", *ids], check=False)
+        shutil.rmtree(local_dir, ignore_errors=True)
+
+
+def _sbatch_file(cluster: SlurmCluster, job: Job, script: str) -> int:
+    """Submit a hand-written job script with plain sbatch; its output goes to slurm.out."""
+    (job.workdir / "job.sh").write_text(script)
+    res = subprocess.run(["sbatch", "--parsable", "-o", str(job.workdir / "slurm.out"),
+                          str(job.workdir / "job.sh")], cwd=job.workdir, env=job_env(cluster),
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return int(res.stdout.strip().split(";")[0])
 
 
 def trained_steps(log: str) -> list[int]:
@@ -296,3 +329,36 @@ def test_chain_mode_finishes_the_same_training_with_the_same_result(slurm_jobs: 
     assert trained_steps(log) == list(range(1, TRAIN_STEPS + 1))
     # The tasks after the finish exit at once (the completion marker).
     assert log.count("already finished") == 12 - len(starts)
+
+
+def test_start_up_warns_about_setups_that_lose_work(slurm_jobs: Submitted):
+    job, watcher = slurm_jobs.jobs["warnings"], slurm_jobs.watcher
+    # The warnings come before the command starts; its first line means they are all out.
+    watcher.wait("the warnings job to start training", lambda: "start step 0" in job.log)
+    slurm_jobs.cluster.scancel(job.job_id)
+    warnings = [line for line in job.log.splitlines() if line.startswith("procckpt: ")]
+    expected = {
+        "no exec": "Start procckpt with `exec procckpt run ...` in the job script",
+        "truncated log": "the job script has no '#SBATCH --open-mode=append'",
+        "node-local dir": f"the checkpoint dir {job.extra['local_dir'] / 'ckpt'} looks "
+                          "node-local (it is under /tmp)",
+        "no requeue": f"Slurm job {job.job_id} cannot be requeued (Requeue=0",
+    }
+    missing = [name for name, text in expected.items() if not any(text in w for w in warnings)]
+    assert not missing, f"no warning for {missing}; procckpt said: {warnings}"
+
+
+def test_container_mode_requeues_from_outside_the_container(slurm_jobs: Submitted):
+    job, watcher = slurm_jobs.jobs["container"], slurm_jobs.watcher
+    record = watcher.wait_done(job.job_id)
+    assert record["JobState"] == "COMPLETED", (record, job.log[-3000:])
+    restarts = int(record["Restarts"])
+    assert restarts >= 1
+    assert_bit_identical(slurm_jobs.tiny_reference, job.workdir / "final.pt")
+    log = job.log
+    assert log.count("procckpt: scontrol not found (inside a container?)") == restarts + 1
+    assert log.count("but scontrol is not available here (inside a container?), so procckpt "
+                     "cannot requeue it; exiting with 75") == restarts
+    stops = [e["reason"] for e in job.events if e["event"] == "trigger" and e["action"] == "stop"]
+    assert stops == ["deadline"] * restarts, stops  # the end time passed in from outside
+    assert trained_steps(log) == list(range(1, TRAIN_STEPS + 1))
