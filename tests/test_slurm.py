@@ -299,7 +299,8 @@ def test_a_local_time_limit_restarts_here_while_the_job_has_time():
 
 
 # -- start-up warnings ------------------------------------------------------------------------
-SHARED_MOUNTS = "/dev/sda1 / ext4 rw 0 0\nnfs:/home /home nfs4 rw 0 0\ntmpfs /scratch/ram tmpfs rw 0 0\n"
+SHARED_MOUNTS = ("/dev/sda1 / ext4 rw 0 0\nnfs:/home /home nfs4 rw 0 0\n"
+                 "tmpfs /scratch/ram tmpfs rw 0 0\n")
 BATCH_SHELL = ["/bin/bash", "/var/spool/slurmd/job00042/slurm_script"]
 STEPD = ["slurmstepd: [42.batch]"]
 
