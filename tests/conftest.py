@@ -46,3 +46,12 @@ def assert_bit_identical(a: Path, b: Path) -> None:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A throwaway single-node Slurm cluster on loopback (skips with the reason if it cannot
+    run here: not root, or slurm-wlm/munge missing)."""
+    from .slurm_cluster import slurm_cluster_fixture
+
+    yield from slurm_cluster_fixture(tmp_path_factory.mktemp("slurm"))
