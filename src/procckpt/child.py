@@ -25,6 +25,18 @@ _MEMBERS_EVERY = 5.0
 _PR_SET_PDEATHSIG = 1
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    # Looked up once, here: the function runs between fork and exec, where it should do as
+    # little as possible.
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None  # not Linux: no such guard
+
+
+_prctl = _find_prctl()
+
+
 def exit_code_of(returncode: int) -> int:
     """A shell-style exit code: 128+N for a process killed by signal N."""
     return 128 - returncode if returncode < 0 else returncode
@@ -131,11 +143,8 @@ def _die_with_parent() -> None:
     """In the new process, before exec: if the launcher is killed outright (SIGKILL, OOM
     killer), the command is killed too. An orphaned training would go on writing into the
     checkpoint dir with nobody holding its lock, next to the run that replaces it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: no such guard
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _alive(p: psutil.Process) -> bool:
