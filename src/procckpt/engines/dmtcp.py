@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..child import _die_with_parent as die_with_parent
 from ..errors import ProcckptError, UsageError
 from ..events import append_event
 from ..store import CheckpointInfo, CheckpointStore
@@ -363,8 +364,9 @@ class DmtcpEngine:
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                 # Its own session: the supervisor's signals and clean-up of the command's
                 # process group must not take the coordinator along before it has written
-                # the restart script that says the images are complete.
-                start_new_session=True)
+                # the restart script that says the images are complete. Like the command, it
+                # dies with the launcher (a coordinator without clients would linger 8 h).
+                start_new_session=True, preexec_fn=die_with_parent)
         finally:
             log.close()
         deadline = time.monotonic() + 30
