@@ -259,3 +259,37 @@ def _roundtrip(payload: Any) -> Any:
     torch.save(payload, buf)
     buf.seek(0)
     return buf
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
+    model, opt = make_training()
+    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=opt, interval=1e-9, keep=3,
+                        save_every=None)
+    train(ckpt, model, opt, 4)
+    ckpt.close()
+    newest, previous = ckpt.store.checkpoints()[:2]
+    payload = newest.file("state.pt")
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: only the checksum can tell
+    payload.write_bytes(bytes(data))
+
+    model2, opt2 = make_training()
+    resumed = Checkpointer(tmp_path / "ck", model=model2, optimizer=opt2, save_every=None)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == previous.name
+    assert newest.path.with_name(newest.name + ".corrupt").is_dir()
+    resumed.close()
+
+
+def test_verify_mapped_checks_a_mapping_and_falls_back_to_reading(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    info = write_checkpoint(store, {}, {"t": torch.randn(100_000), "u": torch.ones(5)})
+    expect = info.manifest["files"]["state.pt"]
+    path = info.file("state.pt")
+    mapped = torch.load(path, weights_only=True, mmap=True)
+    assert snapshot._file_mapping(path, mapped["t"].data_ptr(), expect["bytes"]) is not None
+    assert snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"]) is None
+    assert "fails its checksum" in str(
+        snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"] ^ 1))
+    read = torch.load(path, weights_only=True)  # not mapped: the file is read instead
+    assert snapshot._file_mapping(path, read["t"].data_ptr(), expect["bytes"]) is None
+    assert snapshot.verify_mapped(read, path, expect["bytes"], expect["crc32"]) is None

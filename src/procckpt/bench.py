@@ -29,6 +29,7 @@ import mmap
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -698,6 +699,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("PROCCKPT_TOKEN", None)  # never talk to a launcher that runs this
     os.environ.setdefault("PROCCKPT_LOG_LEVEL", "WARNING")  # one line per checkpoint is noise
     info = machine()
+    # Our own handler first, so that the Checkpointers made here leave SIGTERM alone and it
+    # stops the benchmark (cleaning up) instead of asking for a checkpoint.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -708,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         for size in sizes:
             log(f"state size {human(size)}:")
             results.append(bench_size(size, repeats, work, log))
+            gc.collect()  # the model, its host copy and their reference cycles
         gil = None if "gil" in skip else bench_gil(gil_size, repeats, work, log)
         launcher = (None if "launcher" in skip
                     else bench_launcher(launcher_repeats, launcher_seconds, work, log))

@@ -61,6 +61,7 @@ __all__ = [
     "async_wanted",
     "detach_from_file",
     "private_copy",
+    "verify_mapped",
     "ENV_ASYNC",
 ]
 
@@ -279,6 +280,80 @@ def private_copy(obj: Any) -> Any:
         items = [private_copy(v) for v in obj]
         return obj._make(items) if hasattr(obj, "_make") else tuple(items)
     return obj
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_madvise = _libc_madvise()
+_MADV_SEQUENTIAL = 2
+_MADV_WILLNEED = 3
+_MADV_POPULATE_READ = 22  # Linux 5.14; older kernels answer EINVAL and faults do the work
+
+
+def _file_mapping(path: Path, address: int, size: int) -> int | None:
+    """The start of this process's mapping of ``path`` (from file offset 0, at least ``size``
+    bytes) that contains ``address``, from /proc/self/maps; None if there is none."""
+    st = os.stat(path)
+    spans: list[tuple[int, int, int]] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or int(fields[4]) != st.st_ino:
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end, int(fields[2], 16)))
+    except (OSError, ValueError):
+        return None
+    for start, end, offset in spans:
+        if start <= address < end:
+            # The kernel may split one mapping into several entries; they share a base.
+            base = start - offset
+            reach = max(e for s, e, o in spans if s - o == base)
+            return base if reach - base >= size else None
+    return None
+
+
+def verify_mapped(payload: Any, path: Path, nbytes: int, expected_crc: int) -> str | None:
+    """Check the CRC-32 of a checkpoint file that ``torch.load(mmap=True)`` mapped in, on
+    the mapping itself; return why it is unusable, or None.
+
+    Reading the file a second time for its checksum, then letting ``load_state_dict`` fault
+    the mapping in, would read it twice. Checksumming the mapping reads it once, straight
+    into the pages that ``load_state_dict`` then copies from, with the kernel reading ahead
+    while the CRC runs. Nothing of the file reaches a model before this returns None.
+    Where the mapping cannot be found (another torch), the file is read instead.
+    """
+    from .store import file_crc32
+
+    pointers = [t.untyped_storage().data_ptr() for t in _tensors(payload)
+                if t.untyped_storage().nbytes()]
+    base = _file_mapping(path, min(pointers), nbytes) if pointers and nbytes else None
+    if base is None or _madvise is None:
+        crc, size = file_crc32(path)
+        return None if (crc, size) == (expected_crc, nbytes) else \
+            f"{path.name} fails its checksum (the file is corrupt)"
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(base)).cast("B")
+    _madvise(base, nbytes, _MADV_SEQUENTIAL)
+    crc = 0
+    for start in range(0, nbytes, CHUNK):
+        ahead = start + CHUNK
+        if ahead < nbytes:
+            _madvise(base + ahead, min(CHUNK, nbytes - ahead), _MADV_WILLNEED)
+        length = min(CHUNK, nbytes - start)
+        _madvise(base + start, length, _MADV_POPULATE_READ)
+        crc = crc32(view[start:start + length], crc)
+    view.release()
+    return None if crc == expected_crc else f"{path.name} fails its checksum (the file is corrupt)"
 
 
 # -- the host copy ---------------------------------------------------------------------------

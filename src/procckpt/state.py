@@ -40,7 +40,7 @@ from .events import append_event
 from .log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .snapshot import (BackgroundSaver, NotSnapshottable, WriteResult, async_wanted,
-                       detach_from_file, private_copy, write_checkpoint)
+                       detach_from_file, private_copy, verify_mapped, write_checkpoint)
 from .store import CheckpointInfo, CheckpointStore, DirLock
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -439,10 +439,16 @@ class Checkpointer:
         page cache until ``load_state_dict`` copies them into the model, so a restore never
         holds the state twice.
         """
-        started = time.monotonic()
-        for info in self.store.valid_checkpoints():
-            verified = time.monotonic()
+        for info in self.store.checkpoints():
+            started = time.monotonic()
+            # The payload's checksum is verified on the mapping below, before any of it is
+            # used; the other files (if any) and all sizes are checked here.
+            problem = self.store.verify(info.path, skip_crc=frozenset({PAYLOAD}))
+            if problem is not None:
+                self.store.quarantine(info.path, problem)
+                continue
             try:
+                # weights_only: safe even on a file whose checksum is not verified yet.
                 payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True,
                                      mmap=True)
                 if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
@@ -451,8 +457,16 @@ class Checkpointer:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
                 continue
-            logger.debug("%s verified in %.2fs, mapped in %.2fs", info.name,
-                         verified - started, time.monotonic() - verified)
+            mapped = time.monotonic()
+            expect = info.manifest["files"].get(PAYLOAD, {})
+            problem = verify_mapped(payload, info.file(PAYLOAD), int(expect.get("bytes", -1)),
+                                    int(expect.get("crc32", -1)))
+            if problem is not None:
+                del payload
+                self.store.quarantine(info.path, problem)
+                continue
+            logger.debug("%s mapped in %.2fs, verified in %.2fs", info.name, mapped - started,
+                         time.monotonic() - mapped)
             return info, payload
         if any(self.store.ckpt_root.glob("ckpt-*")):
             raise CheckpointCorruptError(
