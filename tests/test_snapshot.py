@@ -293,3 +293,11 @@ def test_verify_mapped_checks_a_mapping_and_falls_back_to_reading(tmp_path: Path
     read = torch.load(path, weights_only=True)  # not mapped: the file is read instead
     assert snapshot._file_mapping(path, read["t"].data_ptr(), expect["bytes"]) is None
     assert snapshot.verify_mapped(read, path, expect["bytes"], expect["crc32"]) is None
+
+
+def test_isal_and_zlib_checksums_agree() -> None:
+    isal_zlib = pytest.importorskip("isal.isal_zlib",
+                                    reason="the optional isal package (procckpt[fast]) is absent")
+    data = os.urandom(3 << 20)
+    assert isal_zlib.crc32(data) == zlib.crc32(data)
+    assert isal_zlib.crc32(data[1000:], zlib.crc32(data[:1000])) == zlib.crc32(data)

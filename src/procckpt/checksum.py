@@ -12,18 +12,23 @@ The two give identical results: a checkpoint written with one verifies with the 
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["crc32", "IMPLEMENTATION"]
+__all__ = ["crc32", "IMPLEMENTATION", "ENV_CRC"]
 
-crc32: Callable[[Any, int], int]
-try:
-    from isal.isal_zlib import crc32 as _isal_crc32
-except ImportError:  # the optional extra is not installed: zlib is always there
-    crc32 = zlib.crc32
-    IMPLEMENTATION = "zlib"
-else:
-    crc32 = _isal_crc32
-    IMPLEMENTATION = "isal"
+#: ``PROCCKPT_CRC=zlib`` forces zlib's implementation (to compare the two).
+ENV_CRC = "PROCCKPT_CRC"
+
+crc32: Callable[[Any, int], int] = zlib.crc32
+IMPLEMENTATION = "zlib"
+if os.environ.get(ENV_CRC, "").strip().lower() != "zlib":
+    try:
+        from isal.isal_zlib import crc32 as _isal_crc32
+    except ImportError:  # the optional extra (procckpt[fast]) is not installed
+        pass
+    else:
+        crc32 = _isal_crc32
+        IMPLEMENTATION = "isal"

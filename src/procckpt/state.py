@@ -439,14 +439,10 @@ class Checkpointer:
         page cache until ``load_state_dict`` copies them into the model, so a restore never
         holds the state twice.
         """
-        for info in self.store.checkpoints():
-            started = time.monotonic()
-            # The payload's checksum is verified on the mapping below, before any of it is
-            # used; the other files (if any) and all sizes are checked here.
-            problem = self.store.verify(info.path, skip_crc=frozenset({PAYLOAD}))
-            if problem is not None:
-                self.store.quarantine(info.path, problem)
-                continue
+        started = time.monotonic()
+        # The payload's checksum is verified on the mapping below, before any of it is used;
+        # the other files (if any) and all sizes are checked here.
+        for info in self.store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
             try:
                 # weights_only: safe even on a file whose checksum is not verified yet.
                 payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True,

@@ -488,11 +488,13 @@ class CheckpointStore:
                 return f"{name} fails its checksum (the file is corrupt)"
         return None
 
-    def valid_checkpoints(self) -> Iterator[CheckpointInfo]:
+    def valid_checkpoints(self, *, skip_crc: frozenset[str] = frozenset(),
+                          ) -> Iterator[CheckpointInfo]:
         """Yield intact checkpoints, newest first; each damaged one is logged loudly and
-        moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again)."""
+        moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again).
+        ``skip_crc``: see :meth:`verify`."""
         for p in self._ckpt_dirs():
-            problem = self.verify(p)
+            problem = self.verify(p, skip_crc=skip_crc)
             if problem is None:
                 manifest = self._read_manifest(p)
                 assert manifest is not None
