@@ -154,9 +154,9 @@ class StreamingFileWriter:
         # Clean pages now: dropping them keeps the page cache for the training's data.
         with contextlib.suppress(OSError):
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.io_seconds += time.perf_counter() - started
         os.close(self._fd)
         self._fd = None
-        self.io_seconds += time.perf_counter() - started
         return self.nbytes, self.crc
 
     def abort(self) -> None:
@@ -171,19 +171,25 @@ class StreamingFileWriter:
 
     def _put(self, piece: memoryview) -> None:
         assert self._fd is not None
-        started = time.perf_counter()
+        clock = time.perf_counter
+        t0 = clock()
         self.crc = crc32(piece, self.crc)
+        io = clock() - t0
         rest = piece
         while rest:
+            t0 = clock()
             written = os.write(self._fd, rest)
+            io += clock() - t0
             rest = rest[written:]
         self.nbytes += len(piece)
         if self.nbytes - self._writeback_from >= self.chunk:
+            t0 = clock()
             with contextlib.suppress(OSError):
                 os.posix_fadvise(self._fd, self._writeback_from,
                                  self.nbytes - self._writeback_from, os.POSIX_FADV_DONTNEED)
+            io += clock() - t0
             self._writeback_from = self.nbytes
-        self.io_seconds += time.perf_counter() - started
+        self.io_seconds += io
         if self.pause_per_chunk:
             time.sleep(self.pause_per_chunk)
 
