@@ -349,16 +349,23 @@ class PythonHeavyLoop:
 
     def run(self, until: Callable[[], bool]) -> float:
         """Step until ``until()`` (at least once); return steps per second."""
+        threads = torch.get_num_threads()
+        # One thread: tiny ops gain nothing from more, and a thread pool that spins on a
+        # shared 2-core machine makes the rate depend on the neighbours, not on the GIL.
+        torch.set_num_threads(1)
         steps = 0
         started = time.perf_counter()
-        while True:
-            loss = self.model(self.x).square().mean()
-            self.opt.zero_grad()
-            loss.backward()
-            self.opt.step()
-            steps += 1
-            if until():
-                break
+        try:
+            while True:
+                loss = self.model(self.x).square().mean()
+                self.opt.zero_grad()
+                loss.backward()
+                self.opt.step()
+                steps += 1
+                if until():
+                    break
+        finally:
+            torch.set_num_threads(threads)
         return steps / (time.perf_counter() - started)
 
 
@@ -584,7 +591,7 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
         if markdown:
             lines.append(f"| {label} | " + " | ".join(values) + f" | {note} |")
         else:
-            lines.append(f"  {label:<44}" + "".join(f"{v:>14}" for v in values)
+            lines.append(f"  {label:<44}" + "".join(f"{v:>18}" for v in values)
                          + (f"   {note}" if note else ""))
 
     def header(title: str) -> None:
@@ -599,7 +606,7 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
     else:
         lines.append("procckpt benchmark")
         lines.extend(f"  {k:<9} {v}" for k, v in info.items())
-        lines.append("  " + " " * 44 + "".join(f"{c:>14}" for c in cols))
+        lines.append("  " + " " * 44 + "".join(f"{c:>18}" for c in cols))
 
     def timed(label: str, values: list[list[float]], digits: int = 3) -> None:
         row(label, [f"{median(v):.{digits}f} ({min(v, default=float('nan')):.{digits}f})"

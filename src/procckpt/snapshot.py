@@ -62,6 +62,7 @@ __all__ = [
     "detach_from_file",
     "private_copy",
     "verify_mapped",
+    "MappedVerification",
     "ENV_ASYNC",
 ]
 
@@ -77,7 +78,6 @@ CHUNK = 32 << 20
 _SMALL = 1 << 20
 #: Storages are placed at multiples of this in the host arena (torch.save's own alignment).
 _ALIGN = 64
-_HUGE_PAGE = 2 << 20
 #: Copies below this size are not worth starting threads for.
 _PARALLEL_COPY_MIN = 8 << 20
 #: Memory bandwidth is saturated by a few copying threads; more only take cores.
@@ -300,8 +300,6 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
 
 
 _madvise = _libc_madvise()
-_MADV_SEQUENTIAL = 2
-_MADV_WILLNEED = 3
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels answer EINVAL and faults do the work
 
 
@@ -329,37 +327,83 @@ def _file_mapping(path: Path, address: int, size: int) -> int | None:
     return None
 
 
-def verify_mapped(payload: Any, path: Path, nbytes: int, expected_crc: int) -> str | None:
-    """Check the CRC-32 of a checkpoint file that ``torch.load(mmap=True)`` mapped in, on
-    the mapping itself; return why it is unusable, or None.
+#: fadvise(WILLNEED) reads at most the device's read-ahead size per call (8 MiB here)...
+_READ_STEP = 8 << 20
+#: ...so the checksum thread keeps asking for this much ahead of itself: the disk never idles.
+_READ_AHEAD = 64 << 20
 
-    Reading the file a second time for its checksum, then letting ``load_state_dict`` fault
-    the mapping in, would read it twice. Checksumming the mapping reads it once, straight
-    into the pages that ``load_state_dict`` then copies from, with the kernel reading ahead
-    while the CRC runs. Nothing of the file reaches a model before this returns None.
-    Where the mapping cannot be found (another torch), the file is read instead.
+
+class MappedVerification:
+    """Checksums a checkpoint file that ``torch.load(mmap=True)`` mapped in, on a thread and
+    on the mapping itself, while the caller loads from the same mapping.
+
+    Verifying first and loading after would read the file, then go over it a second time;
+    here the thread keeps the kernel reading ahead, checksums each piece as it lands in the
+    page cache (populating the mapping's page tables as it goes), and ``load_state_dict``
+    copies from pages that are already there. The caller must treat what it loaded as
+    unverified until :meth:`result` returns None, and load something else (or give up) if
+    it does not. Where the mapping cannot be found (another torch), the file is read instead.
     """
-    from .store import file_crc32
 
-    pointers = [t.untyped_storage().data_ptr() for t in _tensors(payload)
-                if t.untyped_storage().nbytes()]
-    base = _file_mapping(path, min(pointers), nbytes) if pointers and nbytes else None
-    if base is None or _madvise is None:
-        crc, size = file_crc32(path)
-        return None if (crc, size) == (expected_crc, nbytes) else \
-            f"{path.name} fails its checksum (the file is corrupt)"
-    view = memoryview((ctypes.c_ubyte * nbytes).from_address(base)).cast("B")
-    _madvise(base, nbytes, _MADV_SEQUENTIAL)
-    crc = 0
-    for start in range(0, nbytes, CHUNK):
-        ahead = start + CHUNK
-        if ahead < nbytes:
-            _madvise(base + ahead, min(CHUNK, nbytes - ahead), _MADV_WILLNEED)
-        length = min(CHUNK, nbytes - start)
-        _madvise(base + start, length, _MADV_POPULATE_READ)
-        crc = crc32(view[start:start + length], crc)
-    view.release()
-    return None if crc == expected_crc else f"{path.name} fails its checksum (the file is corrupt)"
+    def __init__(self, payload: Any, path: Path, nbytes: int, expected_crc: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.expected_crc = expected_crc
+        self._payload = payload  # keeps the mapping alive while the thread reads it
+        self._problem: str | None = None
+        pointers = [t.untyped_storage().data_ptr() for t in _tensors(payload)
+                    if t.untyped_storage().nbytes()]
+        self._base = (_file_mapping(path, min(pointers), nbytes)
+                      if pointers and nbytes > 0 else None)
+        # Not a daemon: it reads the mapping, which must outlive it.
+        self._thread = threading.Thread(target=self._run, name="procckpt-verify")
+        self._thread.start()
+
+    def result(self) -> str | None:
+        """Wait for the checksum; return why the file is unusable, or None if it is intact."""
+        self._thread.join()
+        self._payload = None
+        return self._problem
+
+    def _run(self) -> None:
+        from .store import file_crc32
+
+        try:
+            if self._base is None:
+                crc, size = file_crc32(self.path)
+            else:
+                crc, size = self._crc_of_mapping(self._base), self.nbytes
+        except Exception as e:  # an I/O error: the file is as unusable as a corrupt one
+            self._problem = f"{self.path.name} cannot be read ({e})"
+            return
+        if (crc, size) != (self.expected_crc, self.nbytes):
+            self._problem = f"{self.path.name} fails its checksum (the file is corrupt)"
+
+    def _crc_of_mapping(self, base: int) -> int:
+        n = self.nbytes
+        view = memoryview((ctypes.c_ubyte * n).from_address(base)).cast("B")
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            crc = 0
+            requested = 0
+            for start in range(0, n, _READ_STEP):
+                while requested < min(n, start + _READ_AHEAD):
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, requested, _READ_STEP, os.POSIX_FADV_WILLNEED)
+                    requested += _READ_STEP
+                length = min(_READ_STEP, n - start)
+                if _madvise is not None:  # page tables in one call, not a fault per 64 KiB
+                    _madvise(base + start, length, _MADV_POPULATE_READ)
+                crc = crc32(view[start:start + length], crc)
+            return crc
+        finally:
+            os.close(fd)
+            view.release()
+
+
+def verify_mapped(payload: Any, path: Path, nbytes: int, expected_crc: int) -> str | None:
+    """:class:`MappedVerification` without loading alongside: start it and wait."""
+    return MappedVerification(payload, path, nbytes, expected_crc).result()
 
 
 # -- the host copy ---------------------------------------------------------------------------
@@ -412,10 +456,9 @@ class HostArena:
     """Host memory for snapshot copies: allocated at the first checkpoint, reused after.
 
     The arena is one anonymous mapping, as large as the state's tensors (rounded to whole
-    pages), with transparent huge pages asked for: faulting in 4 KiB pages costs more than
-    the copy itself on a virtual machine, and only the first checkpoint pays it. When the
-    state has CUDA tensors the mapping is page-locked (``cudaHostRegister``) so that copies
-    from the GPU are asynchronous DMAs. Each tensor's copy gets a storage of its own inside
+    pages), populated when it is made; only the first checkpoint (or one after the state
+    grew) pays for that. When the state has CUDA tensors the mapping is page-locked
+    (``cudaHostRegister``) so that copies from the GPU are asynchronous DMAs. Each tensor's copy gets a storage of its own inside
     the arena, so ``torch.save`` writes exactly the tensor's bytes (not a whole shared storage).
     """
 
@@ -551,13 +594,13 @@ class HostArena:
         self._free()
         if nbytes == 0:
             return
-        # Whole pages only: the kernel backs the 2 MiB-aligned part with huge pages and the
-        # tail with small ones, so the arena stays within a page of the state's size.
+        # Whole pages only, so the arena stays within a page of the state's size. The
+        # kernel populates it in one go (MAP_POPULATE): on the VM of BENCHMARKS.md that
+        # costs 0.4 s per GiB, against 1-3 s when the first copy faults pages in one by one
+        # (with or without transparent huge pages), and later copies are as fast.
         size = _round_up(nbytes, mmap.PAGESIZE)
-        mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if size >= _HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
-            with contextlib.suppress(OSError):
-                mm.madvise(mmap.MADV_HUGEPAGE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(-1, size, flags=flags)
         flat = torch.frombuffer(mm, dtype=torch.uint8)
         if pinning is _Pinning.REGISTERED and not _cuda_register(flat):
             # Registration refused (e.g. a locked-memory limit): use torch's pinned allocator,

@@ -40,7 +40,7 @@ from .events import append_event
 from .log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .snapshot import (BackgroundSaver, NotSnapshottable, WriteResult, async_wanted,
-                       detach_from_file, private_copy, verify_mapped, write_checkpoint)
+                       MappedVerification, detach_from_file, private_copy, write_checkpoint)
 from .store import CheckpointInfo, CheckpointStore, DirLock
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -399,17 +399,6 @@ class Checkpointer:
         if loaded is None:
             return None
         info, payload = loaded
-        states = payload["statefuls"]
-        missing = sorted(set(self._statefuls) - set(states))
-        if missing:
-            raise ProcckptError(
-                f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
-                "was written by another script or other Checkpointer arguments; use a new dir"
-            )
-        for name, obj in self._statefuls.items():
-            obj.load_state_dict(states[name])
-        # The payload is memory-mapped: nothing may keep pointing into the file.
-        detach_from_file(payload, list(self._statefuls.values()))
         payload = private_copy({k: payload.get(k) for k in ("progress", "extras", "rng",
                                                              "epoch_rng")})
         progress = payload["progress"]
@@ -455,14 +444,22 @@ class Checkpointer:
                 continue
             mapped = time.monotonic()
             expect = info.manifest["files"].get(PAYLOAD, {})
-            problem = verify_mapped(payload, info.file(PAYLOAD), int(expect.get("bytes", -1)),
-                                    int(expect.get("crc32", -1)))
+            check = MappedVerification(payload, info.file(PAYLOAD), int(expect.get("bytes", -1)),
+                                       int(expect.get("crc32", -1)))
+            try:
+                # Loading runs alongside the checksum (one read of the file). If the checksum
+                # then fails, the next checkpoint's load overwrites all of it, or we give up.
+                self._apply(info, payload)
+            except Exception:
+                if check.result() is None:
+                    raise  # a genuine mismatch between script and checkpoint
+            problem = check.result()
             if problem is not None:
                 del payload
                 self.store.quarantine(info.path, problem)
                 continue
-            logger.debug("%s mapped in %.2fs, verified in %.2fs", info.name, mapped - started,
-                         time.monotonic() - mapped)
+            logger.debug("%s mapped in %.2fs, loaded and verified in %.2fs", info.name,
+                         mapped - started, time.monotonic() - mapped)
             return info, payload
         if any(self.store.ckpt_root.glob("ckpt-*")):
             raise CheckpointCorruptError(
@@ -470,6 +467,20 @@ class Checkpointer:
                 " refusing to start from scratch: move the directory away to train anew"
             )
         return None
+
+    def _apply(self, info: CheckpointInfo, payload: dict[str, Any]) -> None:
+        """Load the statefuls from a (memory-mapped) payload."""
+        states = payload["statefuls"]
+        missing = sorted(set(self._statefuls) - set(states))
+        if missing:
+            raise ProcckptError(
+                f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
+                "was written by another script or other Checkpointer arguments; use a new dir"
+            )
+        for name, obj in self._statefuls.items():
+            obj.load_state_dict(states[name])
+        # Nothing may keep pointing into the mapped file (see detach_from_file).
+        detach_from_file(payload, list(self._statefuls.values()))
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
