@@ -39,6 +39,8 @@ from .errors import EX_TEMPFAIL, CheckpointCorruptError, ProcckptError
 from .events import append_event
 from .log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
+from .snapshot import (BackgroundSaver, NotSnapshottable, WriteResult, async_wanted,
+                       MappedVerification, detach_from_file, private_copy, write_checkpoint)
 from .store import CheckpointInfo, CheckpointStore, DirLock
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -87,6 +89,10 @@ class Checkpointer:
         interval: also save every ``interval`` seconds (at the next safe point).
         metric_mode: "max" or "min": which value of :meth:`report_metric` is best.
         save_best: save at the next safe point whenever the reported metric improves.
+        async_save: write checkpoints taken at safe points in the background: training
+            stalls only while the state is copied into host memory, and the checkpoint counts
+            once it is durable. Default: on, unless ``$PROCCKPT_ASYNC=0``. A stop request,
+            the end of training and :meth:`save` always write synchronously.
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class Checkpointer:
         interval: float | None = None,
         metric_mode: str = "max",
         save_best: bool = True,
+        async_save: bool | None = None,
         **stateful: Stateful,
     ) -> None:
         setup_logging()
@@ -135,6 +142,8 @@ class Checkpointer:
         self.metric: float | None = None
         self.best_metric: float | None = None
         self.last_checkpoint: CheckpointInfo | None = None
+        #: Seconds the last resume took to verify, load and apply the checkpoint.
+        self.restore_seconds: float | None = None
 
         self._lock: DirLock | None = None
         self._control: ctl.ControlChannel | None = None
@@ -151,6 +160,8 @@ class Checkpointer:
         self._pending_skip: int | None = None
         self._finished = False
         self._in_epochs = False
+        self._background = (BackgroundSaver(self.store, PAYLOAD)
+                            if self.is_writer and async_wanted(async_save) else None)
 
         if self.is_writer:
             self.store.open()
@@ -270,11 +281,43 @@ class Checkpointer:
             self._request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason, time.time())
 
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
-        """Save now. Call only between steps; the loops above do it for you."""
+        """Save now and return once the checkpoint is durable (after waiting for one being
+        written in the background). Call only between steps; the loops above do it for you."""
         if not self.is_writer:
             return None
+        if self._background is not None:
+            # A failed background write was logged; this checkpoint supersedes it.
+            self._background.wait(raise_failure=False)
         started = time.monotonic()
-        payload = {
+        info = write_checkpoint(self.store, self._meta(reason), self._payload(), PAYLOAD)
+        self._last_save = time.monotonic()
+        self._saved_at = (self.epoch, self.batch, self.step)
+        self._record_saved(info, reason, self._saved_at, time.monotonic() - started)
+        return info
+
+    def flush(self) -> None:
+        """Wait until the checkpoint being written in the background, if any, is durable.
+
+        Raises:
+            BackgroundWriteError: that write failed (the previous checkpoint is intact).
+        """
+        if self._background is not None:
+            self._background.wait()
+
+    def close(self) -> None:
+        """Wait for a checkpoint in flight, then release the checkpoint dir (done
+        automatically when the process exits)."""
+        try:
+            if self._background is not None:
+                self._background.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    # -- internals -------------------------------------------------------------------------
+    def _payload(self) -> dict[str, Any]:
+        return {
             "format": PAYLOAD_FORMAT,
             "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()},
             "progress": {"epoch": self.epoch, "batch": self.batch, "step": self.step,
@@ -283,35 +326,66 @@ class Checkpointer:
             "epoch_rng": self._epoch_rng if self.batch else None,
             "extras": _checked_extras(self.extras),
         }
-        meta = {
+
+    def _meta(self, reason: str) -> dict[str, Any]:
+        return {
             "step": self.step, "epoch": self.epoch, "batch": self.batch, "reason": reason,
             "engine": "hooks", "torch": torch.__version__, "restart": self.restart,
             "job_id": _job_id(), "metric": self.metric, "metric_mode": self.metric_mode,
             "python": sys.version.split()[0], "host": socket.gethostname(),
         }
-        with self.store.begin(meta) as pending:
-            with pending.open(PAYLOAD) as f:
-                torch.save(payload, f)
-            info = pending.commit()
-        self.store.prune()
-        seconds = time.monotonic() - started
+
+    def _save_in_background(self, reason: str) -> bool:
+        """Copy the state and write it on the writer thread; False if it must be written
+        synchronously instead. The request is acknowledged once the checkpoint is durable."""
+        assert self._background is not None
+        started = time.monotonic()
+        position = (self.epoch, self.batch, self.step)
+        request = self._request
+        meta = self._meta(reason)
+
+        try:
+            snapshot = self._background.capture(self._payload())
+        except NotSnapshottable as e:
+            logger.info("writing this checkpoint synchronously: the state holds %s", e)
+            return False
+        stall = time.monotonic() - started
+
+        def durable(result: WriteResult) -> None:  # runs on the writer thread
+            self._record_saved(result.info, reason, position, time.monotonic() - started,
+                               stall=stall, prune=False)
+            self._acknowledge(request, result.info, position[2], stopping=False)
+            self.store.prune()  # after the ack: the launcher need not wait for deletions
+
+        def failed(error: BaseException) -> None:  # runs on the writer thread
+            self._saved_at = None  # so that the end of training saves again
+            append_event(self.store.events_path, "checkpoint-failed", step=position[2],
+                         reason=reason, error=str(error))
+            self._acknowledge(request, None, position[2], stopping=False, error=str(error))
+
+        self._request = None
         self._last_save = time.monotonic()
-        self._saved_at = (self.epoch, self.batch, self.step)
+        self._saved_at = position  # before the thread starts: failed() may reset it
+        self._background.start(snapshot, meta, durable, failed)
+        logger.debug("state copied for checkpoint in %.3fs (%.1f MB, %d tensors)", stall,
+                     snapshot.nbytes / 1e6, snapshot.tensors)
+        return True
+
+    def _record_saved(self, info: CheckpointInfo, reason: str, position: tuple[int, int, int],
+                      seconds: float, stall: float | None = None, prune: bool = True) -> None:
+        """Book-keeping once a checkpoint is durable (on the writer thread for async ones)."""
+        if prune:
+            self.store.prune()
         self.last_checkpoint = info
-        append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=self.step,
-                     epoch=self.epoch, batch=self.batch, bytes=info.nbytes,
-                     seconds=round(seconds, 4), reason=reason, restart=self.restart)
-        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs (%s)", info.name,
-                    self.step, self.epoch, info.nbytes / 1e6, seconds, reason)
-        return info
+        epoch, batch, step = position
+        background = {} if stall is None else {"stall": round(stall, 4), "background": True}
+        append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
+                     epoch=epoch, batch=batch, bytes=info.nbytes, seconds=round(seconds, 4),
+                     reason=reason, restart=self.restart, **background)
+        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs%s (%s)", info.name,
+                    step, epoch, info.nbytes / 1e6, seconds,
+                    "" if stall is None else f", training paused {stall:.3f}s", reason)
 
-    def close(self) -> None:
-        """Release the checkpoint dir (done automatically when the process exits)."""
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
-
-    # -- internals -------------------------------------------------------------------------
     def _rng_now(self) -> dict[str, Any]:
         rng = capture_rng()
         rng["loader_generators"] = generator_states(self._loader_generators)
@@ -320,19 +394,13 @@ class Checkpointer:
     def _resume(self) -> CheckpointInfo | None:
         if not self.is_writer and not self.store.ckpt_root.is_dir():
             return None
+        started = time.monotonic()
         loaded = self._load_latest()
         if loaded is None:
             return None
         info, payload = loaded
-        states = payload["statefuls"]
-        missing = sorted(set(self._statefuls) - set(states))
-        if missing:
-            raise ProcckptError(
-                f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
-                "was written by another script or other Checkpointer arguments; use a new dir"
-            )
-        for name, obj in self._statefuls.items():
-            obj.load_state_dict(states[name])
+        payload = private_copy({k: payload.get(k) for k in ("progress", "extras", "rng",
+                                                             "epoch_rng")})
         progress = payload["progress"]
         self.epoch, self.batch, self.step = (int(progress["epoch"]), int(progress["batch"]),
                                              int(progress["step"]))
@@ -344,23 +412,54 @@ class Checkpointer:
             self._pending_skip = self.batch
         self._saved_at = (self.epoch, self.batch, self.step)
         self.last_checkpoint = info
+        self.restore_seconds = time.monotonic() - started
         append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
-                     epoch=self.epoch, batch=self.batch, restart=self.restart)
-        logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d)", info.name,
-                    self.epoch, self.batch, self.step, self.restart)
+                     epoch=self.epoch, batch=self.batch, restart=self.restart,
+                     bytes=info.nbytes, seconds=round(self.restore_seconds, 4))
+        logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d); %.1f MB "
+                    "restored in %.2fs", info.name, self.epoch, self.batch, self.step,
+                    self.restart, info.nbytes / 1e6, self.restore_seconds)
         return info
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        """The newest checkpoint that verifies *and* loads safely, falling back loudly."""
-        for info in self.store.valid_checkpoints():
+        """The newest checkpoint that verifies *and* loads safely, falling back loudly.
+
+        The file is memory-mapped, not read into fresh memory: its tensors are views of the
+        page cache until ``load_state_dict`` copies them into the model, so a restore never
+        holds the state twice.
+        """
+        started = time.monotonic()
+        # The payload's checksum is verified on the mapping below, before any of it is used;
+        # the other files (if any) and all sizes are checked here.
+        for info in self.store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
             try:
-                payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True)
+                # weights_only: safe even on a file whose checksum is not verified yet.
+                payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True,
+                                     mmap=True)
                 if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
                     raise ValueError("it is not a procckpt hooks checkpoint")
             except Exception as e:  # UnpicklingError for a foreign pickle, and worse
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
                 continue
+            mapped = time.monotonic()
+            expect = info.manifest["files"].get(PAYLOAD, {})
+            check = MappedVerification(payload, info.file(PAYLOAD), int(expect.get("bytes", -1)),
+                                       int(expect.get("crc32", -1)))
+            try:
+                # Loading runs alongside the checksum (one read of the file). If the checksum
+                # then fails, the next checkpoint's load overwrites all of it, or we give up.
+                self._apply(info, payload)
+            except Exception:
+                if check.result() is None:
+                    raise  # a genuine mismatch between script and checkpoint
+            problem = check.result()
+            if problem is not None:
+                del payload
+                self.store.quarantine(info.path, problem)
+                continue
+            logger.debug("%s mapped in %.2fs, loaded and verified in %.2fs", info.name,
+                         mapped - started, time.monotonic() - mapped)
             return info, payload
         if any(self.store.ckpt_root.glob("ckpt-*")):
             raise CheckpointCorruptError(
@@ -368,6 +467,20 @@ class Checkpointer:
                 " refusing to start from scratch: move the directory away to train anew"
             )
         return None
+
+    def _apply(self, info: CheckpointInfo, payload: dict[str, Any]) -> None:
+        """Load the statefuls from a (memory-mapped) payload."""
+        states = payload["statefuls"]
+        missing = sorted(set(self._statefuls) - set(states))
+        if missing:
+            raise ProcckptError(
+                f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
+                "was written by another script or other Checkpointer arguments; use a new dir"
+            )
+        for name, obj in self._statefuls.items():
+            obj.load_state_dict(states[name])
+        # Nothing may keep pointing into the mapped file (see detach_from_file).
+        detach_from_file(payload, list(self._statefuls.values()))
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -403,6 +516,9 @@ class Checkpointer:
         if reason is None:
             return
         self._best_pending = False
+        if (self._background is not None and self._stop_reason is None
+                and self._save_in_background(reason)):
+            return  # acknowledged by the writer thread once durable
         info = self.save(reason)
         self._answer(info, stopping=self._stop_reason is not None)
         if self._stop_reason is not None:
@@ -411,12 +527,16 @@ class Checkpointer:
     def _answer(self, info: CheckpointInfo | None, stopping: bool, error: str | None = None,
                 ) -> None:
         request, self._request = self._request, None
+        self._acknowledge(request, info, self.step, stopping, error)
+
+    def _acknowledge(self, request: ctl.Request | None, info: CheckpointInfo | None, step: int,
+                     stopping: bool, error: str | None = None) -> None:
         if self._control is None or not self.is_writer:
             return
         seq = request.seq if request is not None and request.token else 0
         self._control.acknowledge(ctl.Ack(
             token=self._control.token, seq=seq, checkpoint=info.name if info else None,
-            step=self.step, stopping=stopping, error=error, time=time.time()))
+            step=step, stopping=stopping, error=error, time=time.time()))
 
     def _exit_after_stop(self) -> None:
         code = int(os.environ.get(ctl.ENV_STOP_EXIT, EX_TEMPFAIL))
@@ -429,6 +549,8 @@ class Checkpointer:
         if self._finished:
             return
         self._finished = True
+        if self._background is not None:  # the checkpoint being written is the one to compare
+            self._background.wait(raise_failure=False)
         info = self.last_checkpoint
         if self._saved_at != (self.epoch, self.batch, self.step) or info is None:
             info = self.save("end")

@@ -1,0 +1,25 @@
+"""The benchmark's smoke run: every section runs at a tiny size and prints its rows.
+The real numbers come from a full run (see BENCHMARKS.md), never from the test suite. ~30 s."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PROCCKPT_TOKEN", None)
+    md = tmp_path / "bench.md"
+    done = subprocess.run([sys.executable, "-m", "procckpt.bench", "--quick", "--dir",
+                           str(tmp_path), "--markdown", str(md)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for row in ("procckpt async", "torch.save + fsync", "raw write + fsync of the same bytes",
+                "raw read of the same bytes", "first async checkpoint", "writer thread",
+                "helper process", "launcher CPU while idle", "launcher RSS"):
+        assert row in done.stdout, row
+    assert "| procckpt async |" in md.read_text()
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.md"], "the run cleans up after itself"

@@ -1,0 +1,303 @@
+"""snapshot.py: the streaming writer, the host arena, background writes, mmap restores."""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import zlib
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+import torch
+
+from procckpt import Checkpointer, snapshot
+from procckpt.snapshot import (BackgroundSaver, BackgroundWriteError, HostArena,
+                               NotSnapshottable, StreamingFileWriter, async_wanted,
+                               write_checkpoint)
+from procckpt.store import CheckpointStore
+
+
+class Pair(NamedTuple):
+    first: torch.Tensor
+    second: int
+
+
+def make_payload(namedtuple: bool = False) -> dict[str, Any]:
+    torch.manual_seed(3)
+    base = torch.randn(6, 5)
+    sd = collections.OrderedDict(w=torch.randn(4, 4), b=torch.arange(7, dtype=torch.int64))
+    sd._metadata = collections.OrderedDict({"": {"version": 2}})  # type: ignore[attr-defined]
+    payload = {
+        "model": sd,
+        "view": base.t(),  # not contiguous
+        "again": sd["w"],  # the same tensor twice
+        "half": torch.randn(3, dtype=torch.float16),
+        "flag": torch.tensor([True, False]),
+        "empty": torch.empty(0, 3),
+        "nested": [{"x": torch.full((2,), 7.0)}, (torch.zeros(1), "s")],
+        "plain": {"lr": 0.1, "name": "adam", "none": None},
+    }
+    if namedtuple:  # copied fine, but not loadable with weights_only=True
+        payload["pair"] = Pair(torch.ones(2), 5)
+    return payload
+
+
+def assert_same(a: Any, b: Any) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+def open_store(tmp_path: Path) -> CheckpointStore:
+    return CheckpointStore(tmp_path / "ck").open()
+
+
+# -- the writer ------------------------------------------------------------------------------
+def test_streaming_writer_writes_every_byte_and_its_crc(tmp_path: Path) -> None:
+    pieces = [os.urandom(n) for n in (10, 3 << 20, 1, 100_000, 9 << 20, 7)]
+    writer = StreamingFileWriter(tmp_path / "f", chunk=1 << 20)
+    for piece in pieces:
+        assert writer.write(memoryview(piece)) == len(piece)
+    nbytes, crc = writer.finish()
+    content = b"".join(pieces)
+    assert (tmp_path / "f").read_bytes() == content
+    assert (nbytes, crc) == (len(content), zlib.crc32(content))
+
+
+def test_checkpoint_loads_with_plain_torch_load_and_verifies(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    payload = make_payload()
+    info = write_checkpoint(store, {"step": 1}, payload)
+    assert store.verify(info.path) is None
+    loaded = torch.load(info.file("state.pt"), weights_only=True)
+    assert_same(payload, loaded)
+    assert loaded["model"]._metadata == {"": {"version": 2}}
+    assert loaded["again"].data_ptr() == loaded["model"]["w"].data_ptr()  # sharing kept
+
+
+def test_torch_zip_crc_option_is_left_as_it_was(tmp_path: Path) -> None:
+    before = torch.serialization.get_crc32_options()
+    write_checkpoint(open_store(tmp_path), {}, {"t": torch.ones(3)})
+    assert torch.serialization.get_crc32_options() == before
+
+
+# -- the arena -------------------------------------------------------------------------------
+def test_capture_is_a_copy_that_training_cannot_change() -> None:
+    payload = make_payload(namedtuple=True)
+    expected = torch.load(_roundtrip(payload), weights_only=False)
+    snap = HostArena().capture(payload)
+    payload["model"]["w"].add_(1)
+    payload["view"].mul_(0)
+    payload["nested"][0]["x"].fill_(-1)
+    payload["plain"]["lr"] = 99.0
+    payload["nested"].append("new")
+    assert_same(expected, snap.payload)
+    assert snap.payload["model"]._metadata == {"": {"version": 2}}
+    assert isinstance(snap.payload["pair"], Pair)
+
+
+def test_the_arena_is_allocated_once_and_reused() -> None:
+    arena = HostArena()
+    weights = {"a": torch.randn(1000, 300), "b": torch.randn(50)}
+    first = arena.capture(weights)
+    ptr = first.payload["a"].data_ptr()
+    weights["a"].add_(1)
+    second = arena.capture(weights)
+    assert arena.allocations == 1
+    assert second.payload["a"].data_ptr() == ptr
+    assert torch.equal(second.payload["a"], weights["a"])
+    state_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    assert arena.capacity <= state_bytes + 64 * len(weights) + 4096  # <= 1x the state
+    weights["c"] = torch.randn(2000, 300)  # the state grew: one more allocation
+    third = arena.capture(weights)
+    assert arena.allocations == 2 and torch.equal(third.payload["c"], weights["c"])
+
+
+def test_the_same_tensor_is_copied_once() -> None:
+    t = torch.randn(1000)
+    snap = HostArena().capture({"x": t, "y": t, "z": [t]})
+    assert snap.tensors == 1
+    assert snap.payload["x"].data_ptr() == snap.payload["z"][0].data_ptr()
+
+
+def test_a_sparse_tensor_is_not_snapshottable() -> None:
+    with pytest.raises(NotSnapshottable):
+        HostArena().capture({"s": torch.eye(3).to_sparse()})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
+def test_cuda_state_is_copied_into_page_locked_memory() -> None:
+    state = {"w": torch.randn(1 << 20, device="cuda"), "cpu": torch.randn(10)}
+    arena = HostArena()
+    snap = arena.capture(state)
+    snap.wait_copied()
+    assert arena.pinned and snap.payload["w"].is_pinned()
+    assert torch.equal(snap.payload["w"], state["w"].cpu())
+    state["w"].add_(1)  # queued after the copy on the same stream
+    assert not torch.equal(snap.payload["w"], state["w"].cpu())
+
+
+# -- background writes -----------------------------------------------------------------------
+def test_a_failed_background_write_is_reported_and_leaves_nothing(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    good = write_checkpoint(store, {"step": 1}, {"t": torch.ones(2)})
+
+    class Unpicklable:  # deep-copies fine, but pickle cannot find a local class
+        pass
+
+    saver = BackgroundSaver(store)
+    failed: list[BaseException] = []
+    snap = saver.capture({"t": torch.ones(2), "bad": Unpicklable()})
+    saver.start(snap, {"step": 2}, lambda r: None, failed.append)
+    with pytest.raises(BackgroundWriteError, match="previous checkpoint"):
+        saver.wait()
+    assert len(failed) == 1
+    assert [i.name for i in store.checkpoints()] == [good.name]
+    assert not [p for p in store.ckpt_root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_a_second_capture_waits_for_the_write_in_flight(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    saver = BackgroundSaver(store)
+    gate = threading.Event()
+    order: list[str] = []
+
+    def durable(result: snapshot.WriteResult) -> None:
+        gate.wait(10)
+        order.append(f"durable {result.info.name}")
+
+    state = {"t": torch.zeros(1000)}
+    saver.start(saver.capture(state), {"step": 1}, durable, lambda e: None)
+    threading.Timer(0.3, gate.set).start()
+    state["t"].fill_(1)
+    snap2 = saver.capture(state)  # must not overwrite the arena before write 1 is done
+    order.append("captured 2")
+    assert order == ["durable ckpt-00000001", "captured 2"]
+    saver.start(snap2, {"step": 2}, lambda r: None, lambda e: None)
+    saver.close()
+    first, second = (torch.load(i.file("state.pt"), weights_only=True)
+                     for i in reversed(store.checkpoints()))
+    assert first["t"].sum() == 0 and second["t"].sum() == 1000
+
+
+def test_async_switch_from_argument_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PROCCKPT_ASYNC", raising=False)
+    assert async_wanted(None) is True
+    monkeypatch.setenv("PROCCKPT_ASYNC", "0")
+    assert async_wanted(None) is False
+    assert async_wanted(True) is True
+    monkeypatch.setenv("PROCCKPT_ASYNC", "off")
+    assert async_wanted(None) is False
+
+
+# -- the Checkpointer with both ----------------------------------------------------------------
+def train(ckpt: Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer,
+          steps: int) -> None:
+    x = torch.randn(32, 8)
+    for _ in zip(range(steps), ckpt.batches(iter(lambda: 0, 1))):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def make_training() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def test_resume_from_an_async_checkpoint_holds_no_file_mapping(tmp_path: Path) -> None:
+    model, opt = make_training()
+    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=opt, interval=1e-9,
+                        save_every=None, async_save=True)
+    train(ckpt, model, opt, 5)
+    ckpt.flush()
+    saved = ckpt.last_checkpoint
+    assert saved is not None and saved.step == 4  # the safe point after step 5 did not run
+    expected = torch.load(saved.file("state.pt"), weights_only=True)["statefuls"]
+    ckpt.close()
+
+    model2, opt2 = make_training()
+    resumed = Checkpointer(tmp_path / "ck", model=model2, optimizer=opt2, save_every=None)
+    assert resumed.step == 4 and resumed.restore_seconds is not None
+    assert_same(expected["model"], model2.state_dict())
+    assert_same(expected["optimizer"]["state"], opt2.state_dict()["state"])
+    # The optimizer's tensors are its own memory, not views of the (mapped) checkpoint file.
+    with open(f"/proc/{os.getpid()}/maps") as f:
+        mapped = [line for line in f if "state.pt" in line]
+    assert mapped == []
+    resumed.close()
+
+
+def test_a_state_that_cannot_be_copied_is_saved_synchronously(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path / "ck", interval=1e-9, save_every=None, async_save=True)
+    ckpt.extras["sparse"] = torch.eye(4).to_sparse()
+    for _ in zip(range(2), ckpt.batches(iter(lambda: 0, 1))):
+        pass
+    assert ckpt._background is not None and not ckpt._background.in_flight
+    assert ckpt.last_checkpoint is not None and ckpt.last_checkpoint.step == 1
+    ckpt.close()
+
+
+def _roundtrip(payload: Any) -> Any:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(payload, buf)
+    buf.seek(0)
+    return buf
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous(tmp_path: Path) -> None:
+    model, opt = make_training()
+    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=opt, interval=1e-9, keep=3,
+                        save_every=None)
+    train(ckpt, model, opt, 4)
+    ckpt.close()
+    newest, previous = ckpt.store.checkpoints()[:2]
+    payload = newest.file("state.pt")
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data: only the checksum can tell
+    payload.write_bytes(bytes(data))
+
+    model2, opt2 = make_training()
+    resumed = Checkpointer(tmp_path / "ck", model=model2, optimizer=opt2, save_every=None)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == previous.name
+    assert newest.path.with_name(newest.name + ".corrupt").is_dir()
+    resumed.close()
+
+
+def test_verify_mapped_checks_a_mapping_and_falls_back_to_reading(tmp_path: Path) -> None:
+    store = open_store(tmp_path)
+    info = write_checkpoint(store, {}, {"t": torch.randn(100_000), "u": torch.ones(5)})
+    expect = info.manifest["files"]["state.pt"]
+    path = info.file("state.pt")
+    mapped = torch.load(path, weights_only=True, mmap=True)
+    assert snapshot._file_mapping(path, mapped["t"].data_ptr(), expect["bytes"]) is not None
+    assert snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"]) is None
+    assert "fails its checksum" in str(
+        snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"] ^ 1))
+    read = torch.load(path, weights_only=True)  # not mapped: the file is read instead
+    assert snapshot._file_mapping(path, read["t"].data_ptr(), expect["bytes"]) is None
+    assert snapshot.verify_mapped(read, path, expect["bytes"], expect["crc32"]) is None
+
+
+def test_isal_and_zlib_checksums_agree() -> None:
+    isal_zlib = pytest.importorskip("isal.isal_zlib",
+                                    reason="the optional isal package (procckpt[fast]) is absent")
+    data = os.urandom(3 << 20)
+    assert isal_zlib.crc32(data) == zlib.crc32(data)
+    assert isal_zlib.crc32(data[1000:], zlib.crc32(data[:1000])) == zlib.crc32(data)
