@@ -35,6 +35,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import control as ctl
+from . import distributed as dist_
 from .errors import EX_TEMPFAIL, CheckpointCorruptError, ProcckptError
 from .events import append_event
 from .log import setup_logging
@@ -87,6 +88,14 @@ class Checkpointer:
         interval: also save every ``interval`` seconds (at the next safe point).
         metric_mode: "max" or "min": which value of :meth:`report_metric` is best.
         save_best: save at the next safe point whenever the reported metric improves.
+        sync_every: in a process group, agree on checkpoints every N steps (default:
+            adaptive, about every 0.2 s; see procckpt.distributed).
+        allow_reshard: resume a checkpoint written by another number of ranks (sharded state
+            is resharded; the run is then no longer bit-identical to an uninterrupted one).
+
+    In a process group (torchrun, srun) create it on every rank after
+    ``init_process_group()``: the ranks agree on each checkpoint, rank 0 writes the
+    replicated state, every rank its random streams and its :class:`procckpt.Sharded` shards.
     """
 
     def __init__(
@@ -102,6 +111,8 @@ class Checkpointer:
         interval: float | None = None,
         metric_mode: str = "max",
         save_best: bool = True,
+        sync_every: int | None = None,
+        allow_reshard: bool = False,
         **stateful: Stateful,
     ) -> None:
         setup_logging()
@@ -122,6 +133,9 @@ class Checkpointer:
         self.restart = int(os.environ.get(ctl.ENV_RESTART, "0") or 0)
         self.rank = _rank()
         self.is_writer = self.rank == 0
+        self._dist = dist_.coordinator_for(sync_every, allow_reshard)
+        self.allow_reshard = allow_reshard
+        self._polls_control = dist_.polls_control(self.rank)
         self.save_every = save_every if save_every is not None else (None if self.launched else 1)
         self.interval = interval
         self.metric_mode = metric_mode
@@ -270,40 +284,55 @@ class Checkpointer:
             self._request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason, time.time())
 
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
-        """Save now. Call only between steps; the loops above do it for you."""
+        """Save now. Call only between steps (on every rank in a process group); the loops
+        above do it for you."""
+        if self._dist is not None:
+            return self._dist.save(self, reason)
         if not self.is_writer:
             return None
         started = time.monotonic()
-        payload = {
+        with self.store.begin(self._meta(reason)) as pending:
+            with pending.open(PAYLOAD) as f:
+                torch.save(self._payload(), f)
+            info = pending.commit()
+        self.store.prune()
+        self._after_save(info, reason, time.monotonic() - started)
+        return info
+
+    def _payload(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """The replicated state (rank 0's in a group), without the ``exclude`` statefuls."""
+        return {
             "format": PAYLOAD_FORMAT,
-            "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()},
+            "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()
+                          if not exclude or name not in exclude},
             "progress": {"epoch": self.epoch, "batch": self.batch, "step": self.step,
                          "best_metric": self.best_metric},
-            "rng": self._rng_now(),
-            "epoch_rng": self._epoch_rng if self.batch else None,
+            **self._rng_payload(),
             "extras": _checked_extras(self.extras),
         }
-        meta = {
+
+    def _rng_payload(self) -> dict[str, Any]:
+        return {"rng": self._rng_now(), "epoch_rng": self._epoch_rng if self.batch else None}
+
+    def _meta(self, reason: str) -> dict[str, Any]:
+        return {
             "step": self.step, "epoch": self.epoch, "batch": self.batch, "reason": reason,
             "engine": "hooks", "torch": torch.__version__, "restart": self.restart,
             "job_id": _job_id(), "metric": self.metric, "metric_mode": self.metric_mode,
             "python": sys.version.split()[0], "host": socket.gethostname(),
         }
-        with self.store.begin(meta) as pending:
-            with pending.open(PAYLOAD) as f:
-                torch.save(payload, f)
-            info = pending.commit()
-        self.store.prune()
-        seconds = time.monotonic() - started
+
+    def _after_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
         self._last_save = time.monotonic()
         self._saved_at = (self.epoch, self.batch, self.step)
         self.last_checkpoint = info
+        if not self.is_writer:
+            return
         append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=self.step,
                      epoch=self.epoch, batch=self.batch, bytes=info.nbytes,
                      seconds=round(seconds, 4), reason=reason, restart=self.restart)
         logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs (%s)", info.name,
                     self.step, self.epoch, info.nbytes / 1e6, seconds, reason)
-        return info
 
     def close(self) -> None:
         """Release the checkpoint dir (done automatically when the process exits)."""
@@ -318,45 +347,68 @@ class Checkpointer:
         return rng
 
     def _resume(self) -> CheckpointInfo | None:
-        if not self.is_writer and not self.store.ckpt_root.is_dir():
+        if self._dist is not None:
+            loaded = self._dist.load_latest(self)
+        elif not self.is_writer and not self.store.ckpt_root.is_dir():
             return None
-        loaded = self._load_latest()
+        else:
+            loaded = self._load_latest()
+            if loaded is not None:
+                loaded = loaded[0], self._single_process_view(*loaded)
         if loaded is None:
             return None
         info, payload = loaded
         states = payload["statefuls"]
-        missing = sorted(set(self._statefuls) - set(states))
+        sharded = set(info.manifest.get("sharded") or [])
+        missing = sorted(set(self._statefuls) - set(states) - sharded)
         if missing:
             raise ProcckptError(
                 f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
                 "was written by another script or other Checkpointer arguments; use a new dir"
             )
         for name, obj in self._statefuls.items():
-            obj.load_state_dict(states[name])
+            if name not in sharded:
+                obj.load_state_dict(states[name])
         progress = payload["progress"]
         self.epoch, self.batch, self.step = (int(progress["epoch"]), int(progress["batch"]),
                                              int(progress["step"]))
         self.best_metric = progress.get("best_metric")
         self.extras = dict(payload.get("extras") or {})
-        self._resume_rng = payload["rng"]
+        self._resume_rng = payload["rng"]  # None: a rank the checkpoint had no streams for
         if self.batch:
             self._epoch_rng = payload["epoch_rng"]
             self._pending_skip = self.batch
         self._saved_at = (self.epoch, self.batch, self.step)
         self.last_checkpoint = info
-        append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
-                     epoch=self.epoch, batch=self.batch, restart=self.restart)
+        if self.is_writer:
+            append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
+                         epoch=self.epoch, batch=self.batch, restart=self.restart)
         logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d)", info.name,
                     self.epoch, self.batch, self.step, self.restart)
         return info
+
+    def _single_process_view(self, info: CheckpointInfo, payload: dict[str, Any],
+                             ) -> dict[str, Any]:
+        """Refuse (or reshard) a checkpoint of several ranks; load its sharded state."""
+        saved_world = int(info.manifest.get("world_size", 1) or 1)
+        if saved_world != 1:
+            dist_.check_world_size(info, saved_world, 1, self.allow_reshard)
+            payload = dist_.rescale_position(payload, saved_world, 1)
+        dist_.load_sharded(self._statefuls, info.path, list(info.manifest.get("sharded") or []),
+                           use_group=False)
+        return payload
+
+    def _read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
+        payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True)
+        if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
+            raise ValueError("it is not a procckpt hooks checkpoint")
+        return payload
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         """The newest checkpoint that verifies *and* loads safely, falling back loudly."""
         for info in self.store.valid_checkpoints():
             try:
-                payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True)
-                if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
-                    raise ValueError("it is not a procckpt hooks checkpoint")
+                payload = self._read_payload(info)
             except Exception as e:  # UnpicklingError for a foreign pickle, and worse
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
@@ -383,23 +435,22 @@ class Checkpointer:
 
     def _safe_point(self, epoch_end: bool = False) -> None:
         now = time.monotonic()
-        if self._control is not None and now >= self._next_poll:
+        if self._control is not None and self._polls_control and now >= self._next_poll:
             self._next_poll = now + POLL_SECONDS
             request = self._control.poll()
             if request is not None:
                 if request.action == ctl.ACTION_STOP:
                     self._stop_reason = request.reason
                 self._request = request
-        reason = self._stop_reason
-        if reason is None and self._request is not None:
-            reason = self._request.reason
-        if reason is None and self.interval and now - self._last_save >= self.interval:
-            reason = "interval"
-        if reason is None and self._best_pending:
-            reason = "best"
-        if (reason is None and epoch_end and self.save_every
-                and self.epoch % self.save_every == 0):
-            reason = "epoch"
+        flags = self._wanted(now, epoch_end)
+        if self._dist is not None:
+            # Ranks act only on what the whole group agreed on, at the same step.
+            agreed = self._dist.agree(self, flags, epoch_end)
+            if agreed is None:
+                return
+            self._adopt(agreed)
+            flags = agreed
+        reason = self._reason_for(flags)
         if reason is None:
             return
         self._best_pending = False
@@ -407,6 +458,35 @@ class Checkpointer:
         self._answer(info, stopping=self._stop_reason is not None)
         if self._stop_reason is not None:
             self._exit_after_stop()
+
+    def _wanted(self, now: float, epoch_end: bool) -> dist_.Flags:
+        """What this rank would save for at this safe point."""
+        return dist_.Flags(
+            stop=self._stop_reason is not None,
+            checkpoint=self._request is not None,
+            interval=bool(self.interval and now - self._last_save >= self.interval),
+            best=self._best_pending,
+            epoch=bool(epoch_end and self.save_every and self.epoch % self.save_every == 0),
+            seq=self._request.seq if self._request is not None else 0,
+        )
+
+    def _adopt(self, agreed: dist_.Flags) -> None:
+        """Take on what other ranks asked for, so that this rank saves (and stops) with them."""
+        if agreed.stop and self._stop_reason is None:
+            self._stop_reason = "stop requested on another rank"
+        mine = self._request.seq if self._request is not None else 0
+        if (agreed.stop or agreed.checkpoint) and (self._request is None or agreed.seq > mine):
+            token = self._control.token if self._control is not None and agreed.seq else ""
+            self._request = ctl.Request(
+                token, agreed.seq, ctl.ACTION_STOP if agreed.stop else ctl.ACTION_CHECKPOINT,
+                self._stop_reason or "checkpoint requested on another rank", time.time())
+
+    def _reason_for(self, flags: dist_.Flags) -> str | None:
+        if flags.stop:
+            return self._stop_reason
+        if flags.checkpoint:
+            return self._request.reason if self._request is not None else "checkpoint"
+        return flags.reason()
 
     def _answer(self, info: CheckpointInfo | None, stopping: bool, error: str | None = None,
                 ) -> None:
