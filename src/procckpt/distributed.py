@@ -230,7 +230,7 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
             or (module == "torch" and isinstance(getattr(torch, name, None),
                                                  (torch.dtype, torch.layout, torch.memory_format))
                 ) or (module == "torch" and name == "Size")
-            or (module == "torch._utils" and name.startswith("_get_"))
+            or (module == "torch.serialization" and name == "_get_layout")
             or (module == "pathlib" and name in ("PosixPath", "PurePosixPath"))
             or (module == "collections" and name == "OrderedDict")
         )
@@ -275,8 +275,12 @@ def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
             "with other Checkpointer arguments; use a new checkpoint dir")
     if not names:
         return
-    dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
-             planner=_safe_load_planner(), no_dist=not use_group)
+    try:
+        dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
+                 planner=_safe_load_planner(), no_dist=not use_group)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ProcckptError(f"cannot load the sharded state of {path.name}: {first}") from e
 
 
 # -- agreeing ------------------------------------------------------------------------------
@@ -534,8 +538,9 @@ class DistributedCoordinator:
         """This rank's view of a checkpoint: its random streams; positions if resharding."""
         saved_world = int(info.manifest.get("world_size", 1) or 1)
         if saved_world != self.world_size:
-            check_world_size(info, saved_world, self.world_size, self.allow_reshard)
-            payload = rescale_position(payload, saved_world, self.world_size)
+            check_world_size(info, saved_world, self.world_size, self.allow_reshard,
+                             log=self.rank == 0)
+            payload = rescale_position(payload, saved_world, self.world_size, log=self.rank == 0)
         if self.rank == 0 or self.rank >= saved_world:
             if self.rank >= saved_world:
                 logger.warning("rank %d has no saved random streams (the checkpoint has %d "
@@ -553,7 +558,8 @@ class DistributedCoordinator:
         return {**payload, "rng": mine["rng"], "epoch_rng": mine["epoch_rng"]}
 
 
-def check_world_size(info: CheckpointInfo, saved: int, now: int, allow_reshard: bool) -> None:
+def check_world_size(info: CheckpointInfo, saved: int, now: int, allow_reshard: bool,
+                     log: bool = True) -> None:
     """Refuse a checkpoint of ``saved`` ranks in a run of ``now`` ranks unless resharding."""
     if saved == now:
         return
@@ -563,20 +569,23 @@ def check_world_size(info: CheckpointInfo, saved: int, now: int, allow_reshard: 
             f"with {saved} ranks to resume exactly, or pass allow_reshard=True to the "
             "Checkpointer to load it into the new world size (sharded state is resharded; "
             "data order and random streams will then differ from an uninterrupted run)")
-    logger.warning("resharding checkpoint %s from %d to %d ranks: the model and optimizer "
-                   "are restored, the data order and random streams are not those of an "
-                   "uninterrupted run", info.name, saved, now)
+    if log:
+        logger.warning("resharding checkpoint %s from %d to %d ranks: the model and optimizer "
+                       "are restored, the data order and random streams are not those of an "
+                       "uninterrupted run", info.name, saved, now)
 
 
-def rescale_position(payload: dict[str, Any], saved: int, now: int) -> dict[str, Any]:
+def rescale_position(payload: dict[str, Any], saved: int, now: int,
+                     log: bool = True) -> dict[str, Any]:
     """Keep the fraction of the epoch already trained when the world size changes: with a
     DistributedSampler each rank's share of an epoch scales with 1/world_size."""
     progress = dict(payload["progress"])
     batch = int(progress.get("batch", 0))
     if batch:
         progress["batch"] = (batch * saved) // now
-        logger.warning("mid-epoch checkpoint: resuming at batch %d of the epoch (was %d with %d "
-                       "ranks)", progress["batch"], batch, saved)
+        (logger.warning if log else logger.debug)(
+            "mid-epoch checkpoint: resuming at batch %d of the epoch (was %d with %d ranks)",
+            progress["batch"], batch, saved)
     return {**payload, "progress": progress}
 
 
