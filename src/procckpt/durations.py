@@ -36,6 +36,8 @@ def parse_duration(text: str | int | float, *, what: str = "duration") -> float:
 
 
 def _parse_text(text: str, what: str) -> float:
+    if text.strip().startswith("-"):
+        raise UsageError(f"bad {what} {text!r}: it must not be negative")
     match = _UNIT_RE.match(text)
     if match:
         return float(match.group(1)) * _UNIT_SECONDS[(match.group(2) or "s").lower()]

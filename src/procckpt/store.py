@@ -414,7 +414,14 @@ class CheckpointStore:
         removed = []
         for info in infos[self.keep:]:
             if info.path not in keep:
-                shutil.rmtree(info.path, ignore_errors=True)
+                # Rename first: a crash in the middle of rmtree then leaves a temporary that
+                # the next start removes, not a half-deleted checkpoint that looks corrupt.
+                doomed = self.ckpt_root / f".tmp-delete-{info.name}-{uuid.uuid4().hex[:8]}"
+                try:
+                    os.rename(info.path, doomed)
+                except OSError:
+                    continue
+                shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(info.path)
         return removed
 

@@ -226,6 +226,7 @@ class Supervisor:
     # -- one cycle -------------------------------------------------------------------------
     def _run_cycle(self, restarts: int) -> CycleOutcome:
         token = uuid.uuid4().hex
+        self.store.clean_temporaries()  # what a killed command of the last cycle left half-written
         argv, engine_env = self.engine.start_cycle(self.config.command, token)
         env = dict(os.environ)
         env.update(self.extra_env)

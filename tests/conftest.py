@@ -1,0 +1,57 @@
+"""Shared helpers: every test runs real processes (python, procckpt) in a temporary directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+PROGRAMS = Path(__file__).resolve().parent / "programs"
+PYTHON = sys.executable
+
+
+def procckpt_argv() -> list[str]:
+    return [PYTHON, "-m", "procckpt"]
+
+
+def run(argv: list[str], cwd: Path, timeout: float = 300, env: dict[str, str] | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    """Run a command to its end, output captured as text; the test fails on a time-out."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("PROCCKPT_TOKEN", None)
+    return subprocess.run(argv, cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load_params(path: Path) -> dict:
+    import torch
+
+    return torch.load(path, weights_only=True)
+
+
+def assert_bit_identical(a: Path, b: Path) -> None:
+    import torch
+
+    pa, pb = load_params(a), load_params(b)
+    assert pa.keys() == pb.keys()
+    different = [k for k in pa if not torch.equal(pa[k], pb[k])]
+    assert not different, f"parameters differ: {different}"
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A throwaway single-node Slurm cluster on loopback (skips with the reason if it cannot
+    run here: not root, or slurm-wlm/munge missing)."""
+    from .slurm_cluster import slurm_cluster_fixture
+
+    yield from slurm_cluster_fixture(tmp_path_factory.mktemp("slurm"))

@@ -1,0 +1,60 @@
+"""A tiny training script for the tests: a few epochs of a small MLP with dropout on a shuffled
+DataLoader, checkpointed by procckpt. Prints one line per step to stdout ("step N") so tests
+can see where each cycle started and stopped."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import procckpt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--ckpt-dir", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--save-every", type=int, default=None)
+    parser.add_argument("--fail-at-step", type=int, default=None,
+                        help="exit 3 at this step (only on the first start)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    x = torch.randn(args.n, 16)
+    y = (x.sum(1) > 0).long()
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.workers)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer,
+                                 save_every=args.save_every)
+    print(f"start step {ckpt.step} restart {os.environ.get('PROCCKPT_RESTART', '-')}", flush=True)
+    for _epoch in ckpt.epochs(args.epochs):
+        for xb, yb in ckpt.batches(loader):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if args.fail_at_step is not None and ckpt.step + 1 == args.fail_at_step \
+                    and ckpt.restart == 0:
+                raise SystemExit(3)
+            print(f"step {ckpt.step + 1}", flush=True)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+    print("done", flush=True)
+    if args.out:
+        torch.save(model.state_dict(), args.out)
+
+
+if __name__ == "__main__":
+    main()

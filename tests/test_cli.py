@@ -1,0 +1,68 @@
+"""Bad input: one line on stderr that says what to do, a non-zero exit, nothing touched."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from .conftest import procckpt_argv, run
+
+
+def one_line_error(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("procckpt: error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("args,expected_code,says", [
+    (["frobnicate"], 2, "No such command 'frobnicate'"),
+    (["run", "--time-limit", "ten", "--", "true"], 2, "bad time-limit 'ten': use e.g. 90s"),
+    (["run", "--grace", "-3s", "--", "true"], 2, "must not be negative"),
+    (["run", "--time-limit", "10s", "--grace", "1m", "--", "true"], 2, "shorter than the time"),
+    (["run", "--max-restarts", "x", "--", "true"], 2, "expected a whole number"),
+    (["run", "--engine", "magic", "--", "true"], 2, "'magic' is not one of"),
+    (["run", "--config", "missing.yaml", "--", "true"], 2, "config file missing.yaml does not"),
+    (["run"], 2, "Missing argument 'COMMAND...'"),
+    (["run", "--", "no-such-binary-here"], 127, "command not found: no-such-binary-here"),
+    (["status", "nowhere"], 2, "is not a procckpt checkpoint dir"),
+])
+def test_bad_input_gets_one_line(workdir: Path, args, expected_code, says):
+    result = run([*procckpt_argv(), *args], cwd=workdir)
+    assert result.returncode == expected_code
+    assert says in one_line_error(result)
+
+
+def test_unwritable_dir(workdir: Path):
+    (workdir / "afile").write_text("")
+    result = run([*procckpt_argv(), "run", "--dir", "afile/ckpt", "--", "true"], cwd=workdir)
+    assert result.returncode == 2
+    assert "cannot use checkpoint dir" in one_line_error(result)
+    result = run([*procckpt_argv(), "run", "--dir", "/proc/ckpt", "--", "true"], cwd=workdir)
+    assert result.returncode == 2
+    assert "/proc/ckpt" in one_line_error(result)
+
+
+def test_foreign_dir_is_left_alone(workdir: Path):
+    own = workdir / "results"
+    own.mkdir()
+    (own / "model.pth").write_bytes(b"weights")
+    result = run([*procckpt_argv(), "run", "--dir", "results", "--", "true"], cwd=workdir)
+    assert result.returncode == 2
+    assert "not a procckpt checkpoint dir (it holds model.pth)" in one_line_error(result)
+    assert sorted(p.name for p in own.iterdir()) == ["model.pth"]
+
+
+def test_status_shows_checkpoints_and_events(workdir: Path):
+    from .conftest import PROGRAMS, PYTHON
+
+    done = run([*procckpt_argv(), "run", "--dir", "c", "--", PYTHON,
+                str(PROGRAMS / "tiny_train.py"), "--epochs", "1", "--save-every", "1"],
+               cwd=workdir)
+    assert done.returncode == 0, done.stderr
+    status = run([*procckpt_argv(), "status", "c"], cwd=workdir)
+    assert status.returncode == 0
+    assert "finished" in status.stdout
+    assert "ckpt-00000001  8     1" in status.stdout and "yes" in status.stdout
+    assert "exit" in status.stdout and "reason=finished" in status.stdout

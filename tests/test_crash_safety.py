@@ -1,0 +1,62 @@
+"""SIGKILL of the training process at random moments during saves never leaves a partial
+checkpoint that the next start would load."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from procckpt.store import CheckpointStore
+
+from .conftest import PROGRAMS, PYTHON
+
+ROUNDS = 60
+
+
+def test_sigkill_at_random_moments_during_saves(tmp_path: Path):
+    directory = tmp_path / "ckpt"
+    zygote = subprocess.Popen([PYTHON, str(PROGRAMS / "save_zygote.py"), str(directory)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    rng = random.Random(1234)
+    hit_mid_save = 0
+    last_step = 0
+    try:
+        for _ in range(ROUNDS):
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline().split()[1])
+            ready = zygote.stdout.readline().strip()
+            assert ready == "ready", f"the training process failed to resume: {ready!r}"
+            time.sleep(rng.uniform(0.05, 0.6))
+            os.kill(pid, signal.SIGKILL)
+            zygote.stdin.write("reap\n")
+            zygote.stdin.flush()
+            status = int(zygote.stdout.readline().split()[1])
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
+                f"the training process ended with status {status} before it was killed")
+
+            store = CheckpointStore(directory)
+            if any(p.name.startswith(".tmp-") for p in store.ckpt_root.iterdir()):
+                hit_mid_save += 1
+            info = store.latest_valid()  # what the next start resumes from
+            if info is None:
+                continue
+            state = torch.load(info.file("state.pt"), weights_only=True)
+            saved = state["statefuls"]["holder"]
+            assert info.step == saved["step"] == state["progress"]["step"]
+            assert torch.all(saved["w"] == saved["step"]), "a torn checkpoint was loadable"
+            assert saved["step"] >= last_step, "the newest checkpoint went backwards"
+            last_step = saved["step"]
+            assert not list(store.ckpt_root.glob("*.corrupt")), "a kill made a checkpoint corrupt"
+    finally:
+        zygote.kill()
+        zygote.wait()
+    assert last_step > ROUNDS, "the children did not get to save"
+    # Most kills must land inside a save, or this test would not test what it claims.
+    assert hit_mid_save >= ROUNDS // 2, f"only {hit_mid_save} of {ROUNDS} kills hit a save"

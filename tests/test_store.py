@@ -1,0 +1,128 @@
+"""The checkpoint directory: atomic commits, verification, fallback, keep-N, lock, ownership."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from procckpt.errors import CheckpointCorruptError, LockedError, StoreError
+from procckpt.store import CheckpointStore
+
+
+def commit(store: CheckpointStore, payload: bytes, **meta) -> str:
+    with store.begin(meta) as pending:
+        with pending.open("state.pt") as f:
+            f.write(payload)
+        return pending.commit().name
+
+
+def test_commit_writes_manifest_and_leaves_no_temporaries(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "d").open()
+    name = commit(store, b"x" * 1000, step=5)
+    info = store.latest_valid()
+    assert info is not None and info.name == name and info.step == 5 and info.nbytes == 1000
+    manifest = json.loads((info.path / "MANIFEST.json").read_text())
+    assert manifest["files"]["state.pt"]["bytes"] == 1000
+    assert not [p for p in store.ckpt_root.iterdir() if p.name.startswith(".tmp")]
+
+
+def test_abandoned_checkpoint_is_not_visible_and_is_cleaned(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "d").open()
+    commit(store, b"a", step=1)
+    pending = store.begin({"step": 2})
+    with pending.open("state.pt") as f:
+        f.write(b"b" * 10)
+    # no commit: as if the process died here
+    assert store.latest_valid().step == 1
+    assert store.clean_temporaries()
+    assert not any(p.name.startswith(".tmp") for p in store.ckpt_root.iterdir())
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero", "bitflip", "manifest", "missing"])
+def test_damaged_newest_falls_back_to_previous_loudly(tmp_path: Path, damage: str, caplog):
+    store = CheckpointStore(tmp_path / "d").open()
+    commit(store, os.urandom(5000), step=1)
+    newest = commit(store, os.urandom(5000), step=2)
+    target = store.ckpt_root / newest / "state.pt"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:1234])
+    elif damage == "zero":
+        target.write_bytes(b"")
+    elif damage == "bitflip":
+        data = bytearray(target.read_bytes())
+        data[2500] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif damage == "manifest":
+        (target.parent / "MANIFEST.json").write_text("{not json")
+    else:
+        target.unlink()
+    with caplog.at_level("WARNING"):
+        info = store.latest_valid()
+    assert info is not None and info.step == 1
+    assert f"checkpoint {newest} is unusable" in caplog.text
+    assert (store.ckpt_root / f"{newest}.corrupt").is_dir()  # kept for inspection
+    events = [json.loads(line) for line in store.events_path.read_text().splitlines()]
+    assert any(e["event"] == "corrupt" and e["checkpoint"] == newest for e in events)
+
+
+def test_all_damaged_refuses_to_start_from_scratch(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "d").open()
+    name = commit(store, b"abc", step=1)
+    (store.ckpt_root / name / "state.pt").write_bytes(b"")
+    with pytest.raises(CheckpointCorruptError, match="refusing to start from scratch"):
+        store.latest_valid()
+
+
+def test_prune_keeps_last_n_and_the_best(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "d", keep=2).open()
+    for step, metric in enumerate([0.5, 0.9, 0.6, 0.7, 0.65], start=1):
+        commit(store, b"x", step=step, metric=metric, metric_mode="max")
+        store.prune()
+    steps = sorted(i.step for i in store.checkpoints())
+    assert steps == [2, 4, 5]  # the best (0.9 at step 2) plus the two newest
+
+
+def test_foreign_directory_is_refused(tmp_path: Path):
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(StoreError, match="not a procckpt checkpoint dir.*thesis.tex"):
+        CheckpointStore(foreign).open()
+    assert (foreign / "thesis.tex").read_text() == "precious"
+
+
+def test_unusable_paths(tmp_path: Path):
+    afile = tmp_path / "f"
+    afile.write_text("")
+    with pytest.raises(StoreError, match="is a file"):
+        CheckpointStore(afile).open()
+    with pytest.raises(StoreError):
+        CheckpointStore(afile / "sub").open()
+    with pytest.raises(StoreError):
+        CheckpointStore("/proc/procckpt-test").open()
+
+
+def test_lock_held_by_live_process_is_refused_and_dead_one_taken_over(tmp_path: Path):
+    store = CheckpointStore(tmp_path / "d").open()
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; from procckpt.store import CheckpointStore as S; "
+         "l = S(sys.argv[1]).open().lock(); print('locked', flush=True); time.sleep(60)",
+         str(store.root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(LockedError, match=f"pid {holder.pid}"):
+            store.lock()
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without cleaning up: its lock file is still there, naming it.
+    assert json.loads((store.root / "lock").read_text())["pid"] == holder.pid
+    lock = store.lock()
+    assert json.loads((store.root / "lock").read_text())["pid"] == os.getpid()
+    lock.release()
