@@ -176,7 +176,11 @@ class Checkpointer:
             assert token is not None
             self._control = ctl.ControlChannel(self.store.control_dir, token)
         self._install_signal_handlers()
-        self.resumed_from = self._resume()
+        try:
+            self.resumed_from = self._resume()
+        except BaseException:
+            self.close()  # a refused checkpoint must not leave the dir locked by a dead object
+            raise
         if self._control is not None and self.is_writer:
             self._control.say_hello(step=self.step, epoch=self.epoch,
                                     resumed_from=self.resumed_from and self.resumed_from.name)

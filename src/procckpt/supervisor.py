@@ -164,7 +164,9 @@ class Supervisor:
                     return result
                 restarts += 1
                 continue
-            if outcome.confirmed is None and not outcome.connected:
+            # A command that has checkpointed before and merely started too slowly this time
+            # (torchrun and its workers under load) makes no progress; it is not unable to.
+            if outcome.confirmed is None and not outcome.connected and last_step is None:
                 return self._exit(EX_TEMPFAIL, ExitReason.NOT_CHECKPOINTABLE,
                                   f"the command was stopped ({_cause_text(outcome)}) but it "
                                   "never connected to procckpt, so nothing was saved: use "

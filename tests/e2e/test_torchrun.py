@@ -29,11 +29,12 @@ from ..conftest import EXAMPLES, PYTHON, procckpt_argv, run
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 DDP = EXAMPLES / "ddp_train.py"
 FSDP = EXAMPLES / "fsdp_train.py"
-# 3 epochs x 16 steps (512 samples, 16 per rank and step) of >= 0.5 s: >= 24 s of training. A
-# 20 s cycle with 5 s of grace trains at most ~11 s of it (torchrun and two workers take 4-12 s
-# to start), so every interrupted run is stopped at least twice, mostly in mid-epoch.
+# 3 epochs x 16 steps (512 samples, 16 per rank and step) of >= 0.7 s: >= 33.6 s of training.
+# A 24 s cycle with 5 s of grace trains at most ~16 s of it (torchrun and two workers take
+# 3-12 s to start, depending on load), so every interrupted run stops at least twice, mostly
+# in mid-epoch.
 SHAPE = ["--epochs", "3", "--train-size", "512"]
-ARGS = [*SHAPE, "--sleep", "0.5"]
+ARGS = [*SHAPE, "--sleep", "0.7"]
 
 
 def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
@@ -68,7 +69,7 @@ def assert_same_run(a: Path, b: Path, ranks: int = 2) -> None:
 def interrupted(workdir: Path, script: Path, args: list[str], name: str) -> tuple[Path, list]:
     out = workdir / name
     ckpt = workdir / f"{name}-ckpt"
-    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "24s",
                   "--grace", "5s", "--max-restarts", "30", "--",
                   *torchrun(2, script, *args, "--out", str(out))],
                  cwd=workdir, timeout=600, env={"PROCCKPT_POLL_RANKS": "1"})
