@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
+import queue
 import time
 import traceback
 from pathlib import Path
@@ -110,18 +110,14 @@ def test_fixed_agreement_interval(group_of_one):
 # -- two ranks -------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scenarios(rank: int, port: int, root: str, queue: Any) -> None:
+def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
     """Each rank runs the same scenarios in the same order (they are collective)."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # The parent serves the rendezvous store on a port it already holds: no port race with
+    # other processes on a busy machine.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     out: dict[str, Any] = {"rank": rank}
     try:
         # A: a request seen by rank 1 alone makes both ranks save at the same step.
@@ -165,7 +161,7 @@ def _scenarios(rank: int, port: int, root: str, queue: Any) -> None:
             out["c"] = (e.code, ckpt_c.step)
     except Exception:
         out["error"] = traceback.format_exc()
-    queue.put(out)
+    results.put(out)
     dist.destroy_process_group()
 
 
@@ -173,17 +169,26 @@ def _scenarios(rank: int, port: int, root: str, queue: Any) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
     root = tmp_path_factory.mktemp("two-ranks")
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_scenarios, args=(r, port, str(root), queue)) for r in (0, 1)]
+    results_queue = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_scenarios, args=(r, store.port, str(root), results_queue))
+             for r in (0, 1)]
     for p in procs:
         p.start()
-    results = {}
-    for _ in procs:
-        out = queue.get(timeout=180)
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + 300
+    while len(results) < len(procs):
+        try:
+            out = results_queue.get(timeout=2)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank died with exit code {dead} (see the captured stderr)"
+            assert time.monotonic() < deadline, "the two ranks did not finish in 300 s"
+            continue
         results[out["rank"]] = out
     for p in procs:
         p.join(timeout=30)
+    del store
     for out in results.values():
         assert "error" not in out, out["error"]
     return root, results
