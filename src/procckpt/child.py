@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -21,6 +22,19 @@ logger = logging.getLogger(__name__)
 
 #: Walking the process table costs a few milliseconds; the idle launcher does it this seldom.
 _MEMBERS_EVERY = 5.0
+_PR_SET_PDEATHSIG = 1
+
+
+def _find_prctl() -> Callable[..., int] | None:
+    # Looked up once, here: the function runs between fork and exec, where it should do as
+    # little as possible.
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None  # not Linux: no such guard
+
+
+_prctl = _find_prctl()
 
 
 def exit_code_of(returncode: int) -> int:
@@ -56,7 +70,8 @@ class Child:
         # A new session: the command and everything it starts form one process group that
         # can be signalled as a whole, and the terminal's Ctrl-C reaches only the launcher,
         # which decides what to do with it.
-        self._popen = self._popen_factory(self.argv, env=self.env, start_new_session=True)
+        self._popen = self._popen_factory(self.argv, env=self.env, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
 
     def poll(self) -> int | None:
         """The exit code once the command has exited (128+N if killed by signal N)."""
@@ -122,6 +137,14 @@ class Child:
             self._members.update(root.children(recursive=True))
         except psutil.Error:
             pass
+
+
+def _die_with_parent() -> None:
+    """In the new process, before exec: if the launcher is killed outright (SIGKILL, OOM
+    killer), the command is killed too. An orphaned training would go on writing into the
+    checkpoint dir with nobody holding its lock, next to the run that replaces it."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _alive(p: psutil.Process) -> bool:

@@ -91,9 +91,57 @@ def run_command(config: RunConfig) -> int:
 
 
 def _deadline_and_policy(config: RunConfig) -> tuple[Deadline, RestartPolicy]:
+    from .slurm import slurm_deadline_and_policy
+
+    slurm = slurm_deadline_and_policy(config)  # None outside a Slurm job
+    if slurm is not None:
+        return slurm.deadline, slurm.policy
     deadline: Deadline = (LocalDeadline(config.time_limit) if config.time_limit is not None
                           else NoDeadline())
     return deadline, LocalRestart(config.max_restarts)
+
+
+class _RawArgsCommand(click.Command):
+    """Keeps the arguments as typed: click would drop the first ``--``, which ``procckpt
+    sbatch`` needs to tell sbatch options from the command."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        ctx.meta["raw_args"] = list(args)
+        return super().parse_args(ctx, args)
+
+
+@cli.command(cls=_RawArgsCommand, context_settings={"ignore_unknown_options": True,
+                                                     "allow_interspersed_args": False})
+@click.option("--chain", metavar="N", help="For sites that forbid requeue: an array of N tasks "
+              "run one after another (--array=1-N%1), each resuming from the checkpoint.")
+@click.option("--dry-run", is_flag=True, help="Print the job script instead of submitting it.")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def sbatch(ctx: click.Context, **_: Any) -> None:
+    """Write a job script that runs COMMAND under procckpt run, and submit it.
+
+    \b
+    procckpt sbatch [OPTIONS] [SBATCH OPTIONS] -- COMMAND [ARGS]...
+
+    The script asks for --requeue, --open-mode=append and --signal=B:USR1@GRACE, and runs
+    `exec procckpt run ... -- COMMAND`: procckpt checkpoints before the time limit, requeues
+    the job and resumes it, as many times as it takes. Every other sbatch option (-t, -p,
+    --gres, --mem, -J, -o, ...) goes into the script untouched; the procckpt run options
+    --dir, --grace, --max-restarts, --checkpoint-signal, --interval, --keep, --engine,
+    --term-timeout, --config and --restart-on-failure are passed on. A COMMAND that is a job
+    script with #SBATCH lines is wrapped: its #SBATCH lines are kept. Pyxis options
+    (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
+    container with srun; the job script requeues from outside.
+
+    \b
+    Examples:
+        procckpt sbatch -t 4:00:00 --gres=gpu:1 -- python train.py
+        procckpt sbatch --dry-run -t 30 -- ./train.sbatch
+        procckpt sbatch --chain 10 -t 4:00:00 -- python train.py
+    """
+    from .sbatch import sbatch_main
+
+    sys.exit(sbatch_main(ctx.meta["raw_args"]))
 
 
 @cli.command()

@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 #: The loop wakes at least this often (to poll the child and the deadline).
 TICK = 1.0
+#: Cycles in a row without a new checkpoint after which a local restart loop gives up.
+NO_PROGRESS_CYCLES = 3
 #: After the checkpoint is confirmed, the command gets this long to exit by itself.
 EXIT_AFTER_CONFIRM = 15.0
 
@@ -181,7 +183,7 @@ class Supervisor:
                 last_step = step
             cause = outcome.stop_cause or StopCause.CHILD
             verdict = self.policy.after_stop(cause, outcome.stop_signal, restarts)
-            if verdict.decision is Decision.RESTART_HERE and stalled >= 2:
+            if verdict.decision is Decision.RESTART_HERE and stalled >= NO_PROGRESS_CYCLES:
                 return self._exit(EX_TEMPFAIL, ExitReason.NO_PROGRESS,
                                   f"{stalled} cycles in a row made no progress: the time left "
                                   "before the checkpoint is too short to start and train; raise "

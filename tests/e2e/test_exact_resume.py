@@ -36,22 +36,22 @@ def interrupted(workdir: Path, script: Path, args: list[str], limit: str, grace:
 
 
 def test_polynomial_regression_resumes_bit_identically(workdir: Path):
-    # 600 epochs with 20 ms sleep each: >= 12 s of training, and each 8 s cycle trains < 5 s.
-    args = ["--epochs", "600", "--sleep", "0.02"]
+    # 600 epochs with 25 ms sleep each: >= 15 s of training, and each 10 s cycle trains < 7 s.
+    args = ["--epochs", "600", "--sleep", "0.025"]
     script = EXAMPLES / "polynomial_regression.py"
     reference = uninterrupted(workdir, script, args)
-    resumed, _ = interrupted(workdir, script, args, limit="8s", grace="3s")
+    resumed, _ = interrupted(workdir, script, args, limit="10s", grace="3s")
     assert_bit_identical(reference, resumed)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cnn_shuffling_loader_with_dropout_resumes_mid_epoch(workdir: Path, workers: int):
-    # 3 epochs x 16 batches with 0.25 s per step: 12 s of training; each 10 s cycle trains < 7 s.
+    # 3 epochs x 16 batches with 0.3 s per step: 14.4 s of training; each 12 s cycle trains < 9 s.
     args = ["--epochs", "3", "--train-size", "1024", "--workers", str(workers)]
     script = EXAMPLES / "cnn_classifier.py"
     reference = uninterrupted(workdir, script, args)
-    resumed, events = interrupted(workdir, script, [*args, "--step-sleep", "0.25"],
-                                  limit="10s", grace="3s")
+    resumed, events = interrupted(workdir, script, [*args, "--step-sleep", "0.3"],
+                                  limit="12s", grace="3s")
     mid_epoch = [e for e in events if e["event"] == "resume" and e["batch"] > 0]
     assert mid_epoch, "no cycle resumed in the middle of an epoch"
     assert_bit_identical(reference, resumed)
@@ -64,7 +64,7 @@ def test_tiny_program_resumes_mid_epoch_with_interval_checkpoints(workdir: Path)
     reference = uninterrupted(workdir, script, args)
     out = workdir / "resumed.pt"
     ckpt = workdir / "run-ckpt"
-    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "9s", "--grace",
+    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "12s", "--grace",
                   "3s", "--interval", "2s", "--max-restarts", "60", "--", PYTHON, str(script),
                   *args, "--step-sleep", "0.3", "--out", str(out)], cwd=workdir, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

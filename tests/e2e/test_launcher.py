@@ -124,8 +124,8 @@ def test_crash_is_not_restarted_unless_asked(workdir: Path):
 
 
 def test_restart_count_reaches_the_command(workdir: Path):
-    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "8s", "--grace", "3s",
-                  "--", *TINY, "--epochs", "2", "--n", "192", "--step-sleep", "0.5"],
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "10s", "--grace", "3s",
+                  "--", *TINY, "--epochs", "2", "--n", "256", "--step-sleep", "0.5"],
                  cwd=workdir, timeout=300)
     assert result.returncode == 0, result.stderr
     starts = [line for line in result.stdout.splitlines() if line.startswith("start step")]
