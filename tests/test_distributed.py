@@ -35,6 +35,14 @@ def test_which_ranks_poll_the_control_dir(spec: str, rank: int, local: int, expe
     assert pd.polls_control(rank, local, spec) is expected
 
 
+@pytest.mark.parametrize("hostlist,first", [
+    ("vm", "vm"), ("gpu[07-09,12],cpu1", "gpu07"), ("a-b[001-004]", "a-b001"), ("n1,n2", "n1"),
+    ("node[5]", "node5"),
+])
+def test_rank_zero_host_comes_from_the_slurm_host_list(hostlist: str, first: str):
+    assert pd.first_host(hostlist) == first
+
+
 def test_a_bad_poll_spec_says_what_to_write():
     with pytest.raises(UsageError, match="use all, local0 or a list of ranks"):
         pd.polls_control(0, 0, "rank1")

@@ -45,6 +45,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -128,18 +129,22 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
 
 
 def _slurm_first_node() -> str:
-    """The first host of the step (or job), where rank 0 runs under srun's block layout."""
+    """The first host of the step (or job): where rank 0 runs under srun's default block
+    distribution. Read from the host list itself, so that ranks never call scontrol."""
     nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or ""
-    if not nodes:
-        return "127.0.0.1"
-    import subprocess
+    return first_host(nodes) or "127.0.0.1"
 
-    try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True,
-                             text=True, timeout=30, check=True).stdout.split()
-    except (OSError, subprocess.SubprocessError):
-        out = []
-    return out[0] if out else nodes.split(",")[0].split("[")[0]
+
+def first_host(hostlist: str) -> str:
+    """The first name of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", hostlist.strip())
+    if head is None:
+        return ""
+    prefix, ranges = head.group(1), head.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
 
 
 def polls_control(rank: int, local_rank: int | None = None,
