@@ -137,7 +137,6 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             if rank == 1 and i == 4:
                 ckpt.request_checkpoint(reason="rank 1 asked")
         out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saved_at)  # type: ignore[union-attr]
-        out["a_rng_after"] = torch.rand(1)
 
         # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
         real = pd._write_synced
@@ -167,6 +166,14 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             out["c"] = "ran to the end"
         except SystemExit as e:
             out["c"] = (e.code, ckpt_c.step)
+        # D: a one-process, mid-epoch checkpoint resumed by two ranks (allow_reshard): rank 1
+        # has no saved streams and keeps its seed; the position is scaled to 2 ranks.
+        torch.manual_seed(100 + rank)
+        ckpt_d = Checkpointer(Path(root) / "d", model=nn.Linear(4, 2), allow_reshard=True,
+                              save_every=0)
+        out["d_resumed_at"] = (ckpt_d.epoch, ckpt_d.batch)
+        seen = [i for _ in ckpt_d.epochs(1) for i in ckpt_d.batches(range(10))]
+        out["d_seen"] = seen
     except Exception:
         out["error"] = traceback.format_exc()
     results.put(out)
@@ -176,6 +183,15 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
     root = tmp_path_factory.mktemp("two-ranks")
+    # For scenario D: a checkpoint of one process, 5 batches into the first epoch.
+    single = Checkpointer(root / "d", model=nn.Linear(4, 2), save_every=0)
+    for _ in single.epochs(1):
+        for i in single.batches(range(10)):
+            if i == 5:
+                single.save("mid-epoch")
+                break
+        break
+    single.close()
     ctx = mp.get_context("spawn")
     results_queue = ctx.Queue()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -248,3 +264,10 @@ def test_one_process_refuses_a_two_rank_checkpoint_unless_resharding(two_ranks):
     ckpt = Checkpointer(directory, model=model, allow_reshard=True)
     assert ckpt.step == 5 and ckpt.batch == 5 * 2  # the epoch position scaled by 2 ranks / 1
     ckpt.close()
+
+
+def test_two_ranks_reshard_a_one_process_checkpoint_mid_epoch(two_ranks):
+    _, results = two_ranks
+    # 5 batches of one process are 2 (rounded down) of each of two ranks.
+    assert results[0]["d_resumed_at"] == results[1]["d_resumed_at"] == (0, 2)
+    assert results[0]["d_seen"] == results[1]["d_seen"] == list(range(2, 10))

@@ -551,7 +551,11 @@ class DistributedCoordinator:
                 logger.warning("rank %d has no saved random streams (the checkpoint has %d "
                                "ranks); it keeps the ones the script seeded", self.rank,
                                saved_world)
-                payload = {**payload, "rng": None, "epoch_rng": None}
+                # Its streams as the script seeded them, standing in for "now" and for the
+                # epoch's start (a mid-epoch resume replays the epoch from the latter).
+                from .rng import capture_rng
+
+                payload = {**payload, "rng": capture_rng(), "epoch_rng": capture_rng()}
             return payload
         rank_path = info.path / RANK_FILE.format(rank=self.rank)
         try:

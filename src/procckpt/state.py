@@ -378,7 +378,7 @@ class Checkpointer:
                                              int(progress["step"]))
         self.best_metric = progress.get("best_metric")
         self.extras = dict(payload.get("extras") or {})
-        self._resume_rng = payload["rng"]  # None: a rank the checkpoint had no streams for
+        self._resume_rng = payload["rng"]
         if self.batch:
             self._epoch_rng = payload["epoch_rng"]
             self._pending_skip = self.batch
