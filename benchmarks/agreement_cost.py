@@ -90,8 +90,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
         times: dict[str, list[float]] = {way: [] for way in WAYS}
         for x, y in data[:10]:  # warm-up
             step(x, y)
-        for _ in range(args.blocks):
-            for way in WAYS:
+        for block in range(args.blocks):
+            # Rotate the order, so that no way always follows the same other one.
+            for way in WAYS[block % len(WAYS):] + WAYS[:block % len(WAYS)]:
                 dist.barrier()
                 t0 = time.perf_counter()
                 batches = ckpts[way].batches(data) if way in ckpts else data
