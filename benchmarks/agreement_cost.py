@@ -24,7 +24,6 @@ import socket
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
