@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "__version__"]
+__all__ = ["Checkpointer", "Sharded", "init_distributed", "__version__"]
 
 if TYPE_CHECKING:
+    from .distributed import Sharded, init_distributed
     from .state import Checkpointer
 
 
@@ -17,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from .state import Checkpointer
 
         return Checkpointer
+    if name in ("Sharded", "init_distributed"):
+        from . import distributed
+
+        return getattr(distributed, name)
     raise AttributeError(f"module 'procckpt' has no attribute {name!r}")

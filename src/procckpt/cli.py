@@ -14,7 +14,7 @@ from . import __version__
 from .config import ENGINES, RunConfig, load_config
 from .deadline import Deadline, LocalDeadline, NoDeadline
 from .engines import Engine
-from .errors import EX_USAGE, CommandNotFoundError, ProcckptError
+from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
 from .log import setup_logging
 from .requeue import LocalRestart, RestartPolicy
 from .store import CheckpointStore
@@ -168,6 +168,60 @@ def status(directory: str, no_verify: bool, events: int) -> None:
     from .status import render_status
 
     click.echo(render_status(Path(directory), events=events, verify=not no_verify))
+
+
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--image", required=True, help="Container image with procckpt and the training code.")
+@click.option("--pvc", required=True, metavar="CLAIM",
+              help="PersistentVolumeClaim that holds the checkpoint dir.")
+@click.option("--name", default="procckpt-train", show_default=True, help="Job name.")
+@click.option("--namespace", help="Namespace of the Job.")
+@click.option("--mount-path", default="/checkpoints", show_default=True,
+              help="Where the claim is mounted in the pod.")
+@click.option("--dir", "dir_", metavar="DIR", help="Checkpoint dir in the pod [MOUNT-PATH/NAME].")
+@click.option("--cpu", metavar="QUANTITY", help="CPU request, e.g. 8 or 500m.")
+@click.option("--memory", metavar="QUANTITY", help="Memory request and limit, e.g. 64Gi.")
+@click.option("--gpus", type=int, default=0, show_default=True, help="GPUs (limit).")
+@click.option("--gpu-resource", default="nvidia.com/gpu", show_default=True,
+              help="Extended resource name of a GPU.")
+@click.option("--node-selector", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
+@click.option("--queue", metavar="NAME", help="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
+@click.option("--grace", default="60s", show_default=True, metavar="DURATION",
+              help="Time the checkpoint may take after SIGTERM.")
+@click.option("--max-restarts", type=int, default=20, show_default=True,
+              help="Restart budget (backoffLimit).")
+@click.option("--time-limit", metavar="DURATION", help="Also restart inside the pod this often.")
+@click.option("--env", "env_", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
+@click.option("--shm", metavar="QUANTITY", help="Size of a memory-backed /dev/shm, e.g. 8Gi.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str | None,
+        node_selector: tuple[str, ...], env_: tuple[str, ...], **options: Any) -> None:
+    """Print a Kubernetes batch/v1 Job that runs COMMAND under procckpt run.
+
+    \b
+    Example:
+        procckpt k8s --image ghcr.io/me/train:1 --pvc ckpts --gpus 8 --queue team-a \\
+            -- torchrun --nproc-per-node 8 train.py | kubectl apply -f -
+    """
+    from .durations import parse_duration
+    from .k8s import K8sJobSpec, render_manifest
+
+    spec = K8sJobSpec(
+        command=list(command), dir=dir_, grace=parse_duration(grace, what="grace"),
+        time_limit=parse_duration(time_limit, what="time-limit") if time_limit else None,
+        node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env_, "--env"),
+        **options)
+    click.echo(render_manifest(spec), nl=False)
+
+
+def _pairs(items: tuple[str, ...], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"bad {what} {item!r}: expected KEY=VALUE")
+        out[key] = value
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,12 +35,13 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from . import control as ctl
+from . import distributed as dist_
 from .errors import EX_TEMPFAIL, CheckpointCorruptError, ProcckptError
 from .events import append_event
 from .log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
-from .snapshot import (BackgroundSaver, NotSnapshottable, WriteResult, async_wanted,
-                       MappedVerification, detach_from_file, private_copy, write_checkpoint)
+from .snapshot import (BackgroundSaver, MappedVerification, NotSnapshottable, WriteResult,
+                       async_wanted, detach_from_file, private_copy, write_checkpoint)
 from .store import CheckpointInfo, CheckpointStore, DirLock
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -89,10 +90,19 @@ class Checkpointer:
         interval: also save every ``interval`` seconds (at the next safe point).
         metric_mode: "max" or "min": which value of :meth:`report_metric` is best.
         save_best: save at the next safe point whenever the reported metric improves.
+        sync_every: in a process group, agree on checkpoints every N steps (default:
+            adaptive, about every 0.2 s; see procckpt.distributed).
+        allow_reshard: resume a checkpoint written by another number of ranks (sharded state
+            is resharded; the run is then no longer bit-identical to an uninterrupted one).
         async_save: write checkpoints taken at safe points in the background: training
             stalls only while the state is copied into host memory, and the checkpoint counts
             once it is durable. Default: on, unless ``$PROCCKPT_ASYNC=0``. A stop request,
-            the end of training and :meth:`save` always write synchronously.
+            the end of training and :meth:`save` always write synchronously, and so does a
+            process group (its ranks commit one checkpoint together).
+
+    In a process group (torchrun, srun) create it on every rank after
+    ``init_process_group()``: the ranks agree on each checkpoint, rank 0 writes the
+    replicated state, every rank its random streams and its :class:`procckpt.Sharded` shards.
     """
 
     def __init__(
@@ -108,6 +118,8 @@ class Checkpointer:
         interval: float | None = None,
         metric_mode: str = "max",
         save_best: bool = True,
+        sync_every: int | None = None,
+        allow_reshard: bool = False,
         async_save: bool | None = None,
         **stateful: Stateful,
     ) -> None:
@@ -129,6 +141,9 @@ class Checkpointer:
         self.restart = int(os.environ.get(ctl.ENV_RESTART, "0") or 0)
         self.rank = _rank()
         self.is_writer = self.rank == 0
+        self._dist = dist_.coordinator_for(sync_every, allow_reshard)
+        self.allow_reshard = allow_reshard
+        self._polls_control = dist_.polls_control(self.rank)
         self.save_every = save_every if save_every is not None else (None if self.launched else 1)
         self.interval = interval
         self.metric_mode = metric_mode
@@ -161,7 +176,8 @@ class Checkpointer:
         self._finished = False
         self._in_epochs = False
         self._background = (BackgroundSaver(self.store, PAYLOAD)
-                            if self.is_writer and async_wanted(async_save) else None)
+                            if self.is_writer and self._dist is None and async_wanted(async_save)
+                            else None)
 
         if self.is_writer:
             self.store.open()
@@ -173,7 +189,11 @@ class Checkpointer:
             assert token is not None
             self._control = ctl.ControlChannel(self.store.control_dir, token)
         self._install_signal_handlers()
-        self.resumed_from = self._resume()
+        try:
+            self.resumed_from = self._resume()
+        except BaseException:
+            self.close()  # a refused checkpoint must not leave the dir locked by a dead object
+            raise
         if self._control is not None and self.is_writer:
             self._control.say_hello(step=self.step, epoch=self.epoch,
                                     resumed_from=self.resumed_from and self.resumed_from.name)
@@ -281,8 +301,10 @@ class Checkpointer:
             self._request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason, time.time())
 
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
-        """Save now and return once the checkpoint is durable (after waiting for one being
-        written in the background). Call only between steps; the loops above do it for you."""
+        """Save now. Call only between steps (on every rank in a process group); the loops
+        above do it for you."""
+        if self._dist is not None:
+            return self._dist.save(self, reason)
         if not self.is_writer:
             return None
         if self._background is not None:
@@ -290,9 +312,8 @@ class Checkpointer:
             self._background.wait(raise_failure=False)
         started = time.monotonic()
         info = write_checkpoint(self.store, self._meta(reason), self._payload(), PAYLOAD)
-        self._last_save = time.monotonic()
-        self._saved_at = (self.epoch, self.batch, self.step)
-        self._record_saved(info, reason, self._saved_at, time.monotonic() - started)
+        self.store.prune()
+        self._after_save(info, reason, time.monotonic() - started)
         return info
 
     def flush(self) -> None:
@@ -304,28 +325,20 @@ class Checkpointer:
         if self._background is not None:
             self._background.wait()
 
-    def close(self) -> None:
-        """Wait for a checkpoint in flight, then release the checkpoint dir (done
-        automatically when the process exits)."""
-        try:
-            if self._background is not None:
-                self._background.close()
-        finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
-
-    # -- internals -------------------------------------------------------------------------
-    def _payload(self) -> dict[str, Any]:
+    def _payload(self, exclude: set[str] | None = None) -> dict[str, Any]:
+        """The replicated state (rank 0's in a group), without the ``exclude`` statefuls."""
         return {
             "format": PAYLOAD_FORMAT,
-            "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()},
+            "statefuls": {name: obj.state_dict() for name, obj in self._statefuls.items()
+                          if not exclude or name not in exclude},
             "progress": {"epoch": self.epoch, "batch": self.batch, "step": self.step,
                          "best_metric": self.best_metric},
-            "rng": self._rng_now(),
-            "epoch_rng": self._epoch_rng if self.batch else None,
+            **self._rng_payload(),
             "extras": _checked_extras(self.extras),
         }
+
+    def _rng_payload(self) -> dict[str, Any]:
+        return {"rng": self._rng_now(), "epoch_rng": self._epoch_rng if self.batch else None}
 
     def _meta(self, reason: str) -> dict[str, Any]:
         return {
@@ -334,6 +347,12 @@ class Checkpointer:
             "job_id": _job_id(), "metric": self.metric, "metric_mode": self.metric_mode,
             "python": sys.version.split()[0], "host": socket.gethostname(),
         }
+
+    def _after_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
+        """Book-keeping after a synchronous save (also called by procckpt.distributed)."""
+        self._last_save = time.monotonic()
+        self._saved_at = (self.epoch, self.batch, self.step)
+        self._record_saved(info, reason, self._saved_at, seconds)
 
     def _save_in_background(self, reason: str) -> bool:
         """Copy the state and write it on the writer thread; False if it must be written
@@ -353,7 +372,7 @@ class Checkpointer:
 
         def durable(result: WriteResult) -> None:  # runs on the writer thread
             self._record_saved(result.info, reason, position, time.monotonic() - started,
-                               stall=stall, prune=False)
+                               stall=stall)
             self._acknowledge(request, result.info, position[2], stopping=False)
             self.store.prune()  # after the ack: the launcher need not wait for deletions
 
@@ -372,11 +391,11 @@ class Checkpointer:
         return True
 
     def _record_saved(self, info: CheckpointInfo, reason: str, position: tuple[int, int, int],
-                      seconds: float, stall: float | None = None, prune: bool = True) -> None:
+                      seconds: float, stall: float | None = None) -> None:
         """Book-keeping once a checkpoint is durable (on the writer thread for async ones)."""
-        if prune:
-            self.store.prune()
         self.last_checkpoint = info
+        if not self.is_writer:
+            return
         epoch, batch, step = position
         background = {} if stall is None else {"stall": round(stall, 4), "background": True}
         append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
@@ -386,21 +405,40 @@ class Checkpointer:
                     step, epoch, info.nbytes / 1e6, seconds,
                     "" if stall is None else f", training paused {stall:.3f}s", reason)
 
+    def close(self) -> None:
+        """Wait for a checkpoint in flight, then release the checkpoint dir (done
+        automatically when the process exits)."""
+        try:
+            if self._background is not None:
+                self._background.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+
+    # -- internals -------------------------------------------------------------------------
     def _rng_now(self) -> dict[str, Any]:
         rng = capture_rng()
         rng["loader_generators"] = generator_states(self._loader_generators)
         return rng
 
     def _resume(self) -> CheckpointInfo | None:
-        if not self.is_writer and not self.store.ckpt_root.is_dir():
-            return None
         started = time.monotonic()
-        loaded = self._load_latest()
+        if self._dist is not None:
+            loaded = self._dist.load_latest(self)  # collective; the payload is read plainly
+            if loaded is not None:
+                loaded = loaded[0], self._apply(*loaded)
+        elif not self.is_writer and not self.store.ckpt_root.is_dir():
+            return None
+        else:
+            loaded = self._load_latest()  # verified, memory-mapped and applied
         if loaded is None:
             return None
-        info, payload = loaded
-        payload = private_copy({k: payload.get(k) for k in ("progress", "extras", "rng",
-                                                             "epoch_rng")})
+        info, mapped = loaded
+        # What procckpt keeps of the payload gets memory of its own; the rest stays mapped.
+        payload = private_copy({k: mapped.get(k) for k in ("progress", "extras", "rng",
+                                                            "epoch_rng")})
+        del mapped
         progress = payload["progress"]
         self.epoch, self.batch, self.step = (int(progress["epoch"]), int(progress["batch"]),
                                              int(progress["step"]))
@@ -413,16 +451,37 @@ class Checkpointer:
         self._saved_at = (self.epoch, self.batch, self.step)
         self.last_checkpoint = info
         self.restore_seconds = time.monotonic() - started
-        append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
-                     epoch=self.epoch, batch=self.batch, restart=self.restart,
-                     bytes=info.nbytes, seconds=round(self.restore_seconds, 4))
+        if self.is_writer:
+            append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
+                         epoch=self.epoch, batch=self.batch, restart=self.restart,
+                         bytes=info.nbytes, seconds=round(self.restore_seconds, 4))
         logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d); %.1f MB "
                     "restored in %.2fs", info.name, self.epoch, self.batch, self.step,
                     self.restart, info.nbytes / 1e6, self.restore_seconds)
         return info
 
+    def _single_process_view(self, info: CheckpointInfo, payload: dict[str, Any],
+                             ) -> dict[str, Any]:
+        """Refuse (or reshard) a checkpoint of several ranks; load its sharded state."""
+        saved_world = int(info.manifest.get("world_size", 1) or 1)
+        if saved_world != 1:
+            dist_.check_world_size(info, saved_world, 1, self.allow_reshard)
+            payload = dist_.rescale_position(payload, saved_world, 1)
+        dist_.load_sharded(self._statefuls, info.path, list(info.manifest.get("sharded") or []),
+                           use_group=False)
+        return payload
+
+    def _read_payload(self, info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
+        # weights_only: safe even on a file whose checksum is not verified yet.
+        payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True,
+                             mmap=mmap)
+        if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
+            raise ValueError("it is not a procckpt hooks checkpoint")
+        return payload
+
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        """The newest checkpoint that verifies *and* loads safely, falling back loudly.
+        """The newest checkpoint that verifies *and* loads safely, falling back loudly; its
+        state is applied to the statefuls.
 
         The file is memory-mapped, not read into fresh memory: its tensors are views of the
         page cache until ``load_state_dict`` copies them into the model, so a restore never
@@ -433,11 +492,7 @@ class Checkpointer:
         # the other files (if any) and all sizes are checked here.
         for info in self.store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
             try:
-                # weights_only: safe even on a file whose checksum is not verified yet.
-                payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True,
-                                     mmap=True)
-                if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
-                    raise ValueError("it is not a procckpt hooks checkpoint")
+                payload = self._read_payload(info, mmap=True)
             except Exception as e:  # UnpicklingError for a foreign pickle, and worse
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
@@ -449,7 +504,7 @@ class Checkpointer:
             try:
                 # Loading runs alongside the checksum (one read of the file). If the checksum
                 # then fails, the next checkpoint's load overwrites all of it, or we give up.
-                self._apply(info, payload)
+                payload = self._apply(info, payload)
             except Exception:
                 if check.result() is None:
                     raise  # a genuine mismatch between script and checkpoint
@@ -468,19 +523,25 @@ class Checkpointer:
             )
         return None
 
-    def _apply(self, info: CheckpointInfo, payload: dict[str, Any]) -> None:
-        """Load the statefuls from a (memory-mapped) payload."""
+    def _apply(self, info: CheckpointInfo, payload: dict[str, Any]) -> dict[str, Any]:
+        """Load the statefuls from a (possibly memory-mapped) payload; return the payload,
+        its position rescaled if it was written by another number of ranks."""
+        if self._dist is None:
+            payload = self._single_process_view(info, payload)
         states = payload["statefuls"]
-        missing = sorted(set(self._statefuls) - set(states))
+        sharded = set(info.manifest.get("sharded") or [])
+        missing = sorted(set(self._statefuls) - set(states) - sharded)
         if missing:
             raise ProcckptError(
                 f"checkpoint {info.name} in {self.dir} has no state for {', '.join(missing)}: it "
                 "was written by another script or other Checkpointer arguments; use a new dir"
             )
         for name, obj in self._statefuls.items():
-            obj.load_state_dict(states[name])
+            if name not in sharded:
+                obj.load_state_dict(states[name])
         # Nothing may keep pointing into the mapped file (see detach_from_file).
         detach_from_file(payload, list(self._statefuls.values()))
+        return payload
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -496,23 +557,22 @@ class Checkpointer:
 
     def _safe_point(self, epoch_end: bool = False) -> None:
         now = time.monotonic()
-        if self._control is not None and now >= self._next_poll:
+        if self._control is not None and self._polls_control and now >= self._next_poll:
             self._next_poll = now + POLL_SECONDS
             request = self._control.poll()
             if request is not None:
                 if request.action == ctl.ACTION_STOP:
                     self._stop_reason = request.reason
                 self._request = request
-        reason = self._stop_reason
-        if reason is None and self._request is not None:
-            reason = self._request.reason
-        if reason is None and self.interval and now - self._last_save >= self.interval:
-            reason = "interval"
-        if reason is None and self._best_pending:
-            reason = "best"
-        if (reason is None and epoch_end and self.save_every
-                and self.epoch % self.save_every == 0):
-            reason = "epoch"
+        flags = self._wanted(now, epoch_end)
+        if self._dist is not None:
+            # Ranks act only on what the whole group agreed on, at the same step.
+            agreed = self._dist.agree(self, flags, epoch_end)
+            if agreed is None:
+                return
+            self._adopt(agreed)
+            flags = agreed
+        reason = self._reason_for(flags)
         if reason is None:
             return
         self._best_pending = False
@@ -523,6 +583,35 @@ class Checkpointer:
         self._answer(info, stopping=self._stop_reason is not None)
         if self._stop_reason is not None:
             self._exit_after_stop()
+
+    def _wanted(self, now: float, epoch_end: bool) -> dist_.Flags:
+        """What this rank would save for at this safe point."""
+        return dist_.Flags(
+            stop=self._stop_reason is not None,
+            checkpoint=self._request is not None,
+            interval=bool(self.interval and now - self._last_save >= self.interval),
+            best=self._best_pending,
+            epoch=bool(epoch_end and self.save_every and self.epoch % self.save_every == 0),
+            seq=self._request.seq if self._request is not None else 0,
+        )
+
+    def _adopt(self, agreed: dist_.Flags) -> None:
+        """Take on what other ranks asked for, so that this rank saves (and stops) with them."""
+        if agreed.stop and self._stop_reason is None:
+            self._stop_reason = "stop requested on another rank"
+        mine = self._request.seq if self._request is not None else 0
+        if (agreed.stop or agreed.checkpoint) and (self._request is None or agreed.seq > mine):
+            token = self._control.token if self._control is not None and agreed.seq else ""
+            self._request = ctl.Request(
+                token, agreed.seq, ctl.ACTION_STOP if agreed.stop else ctl.ACTION_CHECKPOINT,
+                self._stop_reason or "checkpoint requested on another rank", time.time())
+
+    def _reason_for(self, flags: dist_.Flags) -> str | None:
+        if flags.stop:
+            return self._stop_reason
+        if flags.checkpoint:
+            return self._request.reason if self._request is not None else "checkpoint"
+        return flags.reason()
 
     def _answer(self, info: CheckpointInfo | None, stopping: bool, error: str | None = None,
                 ) -> None:

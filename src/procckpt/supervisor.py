@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import control as ctl
+from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
@@ -129,6 +130,8 @@ class Supervisor:
         self._clock = clock
         self._child_factory = child_factory
         self._actions = signal_actions(config.checkpoint_signal)
+        #: As PID 1 (a container's entrypoint) orphans are ours to reap; see pid1.py.
+        self._reap_orphans = pid1.is_init()
         self._wakeup_r = -1
         self._old_handlers: dict[int, Any] = {}
         self.cycles = 0
@@ -157,7 +160,9 @@ class Supervisor:
                              cycle=self.cycles)
                 continue
             if outcome.finished:
-                if outcome.exit_code == 0:
+                # A run that marked itself complete and was then stopped by us (the deadline
+                # came while it was exiting: torchrun and its workers take seconds) finished.
+                if outcome.exit_code == 0 or outcome.stop_cause is not None:
                     return self._exit(0, ExitReason.FINISHED, "training finished")
                 return self._exit(outcome.exit_code, ExitReason.FAILED,
                                   f"training finished but the command then exited with "
@@ -168,7 +173,9 @@ class Supervisor:
                     return result
                 restarts += 1
                 continue
-            if outcome.confirmed is None and not outcome.connected:
+            # A command that has checkpointed before and merely started too slowly this time
+            # (torchrun and its workers under load) makes no progress; it is not unable to.
+            if outcome.confirmed is None and not outcome.connected and last_step is None:
                 return self._exit(EX_TEMPFAIL, ExitReason.NOT_CHECKPOINTABLE,
                                   f"the command was stopped ({_cause_text(outcome)}) but it "
                                   "never connected to procckpt, so nothing was saved: use "
@@ -307,6 +314,8 @@ class Supervisor:
                     stop_seq, give_up_at = self._begin_stop(name, now)
                 elif action is Action.CHECKPOINT and stop_seq is None:
                     self._trigger("checkpoint", name)
+            if self._reap_orphans:
+                pid1.reap_orphans({child.pid})
             rc = child.poll()
             if rc is not None:
                 outcome.exit_code = rc

@@ -1,0 +1,621 @@
+"""Distributed runs: the ranks agree on when to checkpoint and write one atomic checkpoint.
+
+Under ``torchrun`` or ``srun`` every rank runs its own :class:`~procckpt.Checkpointer`. A
+request (``control/request.json``, a SIGTERM, ``request_checkpoint()``) may reach one rank,
+some or all of them, at different steps. Saving the moment a rank sees it would leave the
+others blocked in the next gradient all-reduce, so the ranks *agree* first:
+
+    every rank, at safe points                       the whole group
+    ----------------------------------------------   ----------------------------------------
+    polls control/ (every 0.2 s), notes signals  ->  at agreement steps: all_reduce(MAX) of
+                                                     [stop, checkpoint, interval, best, epoch,
+                                                      request seq, seconds per step]
+    <-  every rank gets the same answer, so all save at the same step (or none does)
+
+Agreement steps are the same on every rank: each epoch end, and every ``k`` steps, where
+``k`` is fixed (``sync_every`` / ``PROCCKPT_SYNC_EVERY``) or, by default, recomputed at each
+agreement from the reduced (hence identical) seconds per step so that the group agrees about
+every :data:`AGREE_SECONDS`. docs/distributed.md has the measured cost.
+
+One checkpoint, written by all ranks, committed by rank 0 (see store.py for the layout)::
+
+    checkpoints/.tmp-ckpt-N-...      rank 0 creates it and broadcasts its path
+      state.pt                       rank 0: replicated state (DDP model, optimizer, progress,
+                                     rank 0's random streams)
+      rank-00001.pt ...              rank r >= 1: its own random streams
+      .metadata, __R_0.distcp        torch.distributed.checkpoint: each rank's shards of the
+                                     state wrapped in :class:`Sharded` (FSDP2, DTensor)
+      MANIFEST.json                  rank 0, after every rank reported success
+    checkpoints/ckpt-N               the rename that commits all of it at once
+
+Every rank waits for rank 0's commit before it goes on (or exits), so a launcher that tears the
+group down when the first rank exits (torchrun does) cannot cut the commit short.
+
+Loading: rank 0 picks the newest checkpoint whose files all match the manifest's checksums and
+broadcasts its name; each rank loads the replicated state, its own random streams and its
+shards. A checkpoint from a different world size is refused unless ``allow_reshard``: then
+sharded state is resharded by DCP, replicated state loads as is, ranks without a saved stream
+keep their seed, and the position within an epoch is scaled by the world-size ratio (exact only
+at epoch boundaries; the log says so).
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import pickle
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import CheckpointCorruptError, ProcckptError, UsageError
+from .store import CheckpointInfo, PendingCheckpoint, fsync_dir
+
+if TYPE_CHECKING:
+    from .state import Checkpointer
+
+__all__ = [
+    "Sharded",
+    "Flags",
+    "RankAgreement",
+    "DistributedCoordinator",
+    "init_distributed",
+    "polls_control",
+    "ENV_POLL_RANKS",
+    "ENV_SYNC_EVERY",
+    "WorldSizeMismatch",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Which ranks read ``control/``: "all" (default), "local0" (one per node: less load on a
+#: shared file system), or a comma-separated list of global ranks. The agreement spreads a
+#: request to the other ranks either way.
+ENV_POLL_RANKS = "PROCCKPT_POLL_RANKS"
+#: Agree every N steps instead of the adaptive default.
+ENV_SYNC_EVERY = "PROCCKPT_SYNC_EVERY"
+#: Adaptive agreement aims at one all-reduce this often (the control dir is polled as often).
+AGREE_SECONDS = 0.2
+MAX_SYNC_EVERY = 10_000
+RANK_FILE = "rank-{rank:05d}.pt"
+RANK_FILE_FORMAT = 1
+_PATH_BYTES = 4096
+
+
+class WorldSizeMismatch(ProcckptError):
+    """A checkpoint written by another number of ranks, and resharding was not allowed."""
+
+    exit_code = 1
+
+
+# -- setting up ----------------------------------------------------------------------------
+def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
+    """Initialise the default process group from torchrun's or srun's environment.
+
+    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Under ``srun``
+    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) the rendezvous address is the step's first
+    node and the port is derived from the job and step ids (MASTER_ADDR / MASTER_PORT in the
+    environment win). Without either it starts nothing and returns (0, 1, 0).
+
+    Returns:
+        (rank, world_size, local_rank)
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1:
+        rank = int(env["SLURM_PROCID"])
+        world = int(env.get("SLURM_NTASKS") or env["SLURM_NPROCS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        env.setdefault("MASTER_ADDR", _slurm_first_node())
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        step = int(env.get("SLURM_STEP_ID", "0") or 0)
+        env.setdefault("MASTER_PORT", str(20000 + (job * 7 + step) % 20000))
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
+    else:
+        return 0, 1, 0
+    if world > 1 and not dist.is_initialized():
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    return rank, world, local
+
+
+def _slurm_first_node() -> str:
+    """The first host of the step (or job): where rank 0 runs under srun's default block
+    distribution. Read from the host list itself, so that ranks never call scontrol."""
+    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or ""
+    return first_host(nodes) or "127.0.0.1"
+
+
+def first_host(hostlist: str) -> str:
+    """The first name of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
+    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", hostlist.strip())
+    if head is None:
+        return ""
+    prefix, ranges = head.group(1), head.group(2)
+    if not ranges:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def polls_control(rank: int, local_rank: int | None = None,
+                  spec: str | None = None) -> bool:
+    """Whether this rank reads ``control/`` (see :data:`ENV_POLL_RANKS`)."""
+    spec = (os.environ.get(ENV_POLL_RANKS, "all") if spec is None else spec).strip().lower()
+    if spec in ("", "all"):
+        return True
+    if spec == "local0":
+        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) or 0) \
+            if local_rank is None else local_rank
+        return local == 0
+    try:
+        chosen = {int(x) for x in spec.split(",") if x.strip()}
+    except ValueError:
+        raise UsageError(f"bad {ENV_POLL_RANKS}={spec!r}: use all, local0 or a list of ranks "
+                         "like 0,8,16") from None
+    return rank in chosen
+
+
+# -- sharded state -------------------------------------------------------------------------
+class Sharded:
+    """A model (and its optimizers) whose state is split across ranks: FSDP2 ``fully_shard``,
+    DTensor, tensor parallel. Pass it to the Checkpointer like any other state::
+
+        ckpt = procckpt.Checkpointer(train=procckpt.Sharded(model, optimizer), scheduler=sched)
+
+    In a process group it is saved with ``torch.distributed.checkpoint`` (each rank writes its
+    own shards, in parallel) and can be resharded to another world size; without one it is
+    an ordinary state dict.
+    """
+
+    def __init__(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizers = optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+        if not self.optimizers:
+            return {"model": get_model_state_dict(self.model)}
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+        if not self.optimizers:
+            set_model_state_dict(self.model, state["model"])
+            return
+        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+
+def _sharded(statefuls: Mapping[str, Any]) -> dict[str, Sharded]:
+    return {name: obj for name, obj in statefuls.items() if isinstance(obj, Sharded)}
+
+
+def _safe_dcp_reader(path: Path) -> Any:
+    """A DCP reader that unpickles only DCP's own metadata classes.
+
+    DCP stores its index (``.metadata``) as a pickle and loads non-tensor values with
+    ``torch.load(weights_only=False)``. procckpt hands DCP only checkpoints whose files all
+    passed the manifest's checksums, and on top of that restricts both loads to what DCP
+    itself writes, so that a planted file cannot run code.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class _Reader(FileSystemReader):  # type: ignore[misc]
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            meta_path = self._get_metadata_path(rank)
+            with self.fs.create_stream(meta_path, "rb") as f:
+                metadata = _DcpMetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return _Reader(str(path))
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = (
+            module.startswith("torch.distributed.checkpoint.")
+            or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                 (torch.dtype, torch.layout, torch.memory_format))
+                ) or (module == "torch" and name == "Size")
+            or (module == "torch.serialization" and name == "_get_layout")
+            or (module == "pathlib" and name in ("PosixPath", "PurePosixPath"))
+            or (module == "collections" and name == "OrderedDict")
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"DCP metadata refers to {module}.{name}, which DCP itself never writes")
+        return super().find_class(module, name)
+
+
+def _safe_load_planner() -> Any:
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class _Planner(DefaultLoadPlanner):  # type: ignore[misc]
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return _Planner()
+
+
+def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
+                 use_group: bool) -> None:
+    """Load the :class:`Sharded` states ``names`` from checkpoint ``path`` (resharding)."""
+    import torch.distributed.checkpoint as dcp
+
+    targets = _sharded(statefuls)
+    missing = [n for n in names if n not in targets]
+    if missing:
+        raise ProcckptError(
+            f"checkpoint {path.name} holds sharded state {', '.join(missing)} that this script "
+            "does not pass as procckpt.Sharded(...); use the same Checkpointer arguments")
+    extra = [n for n in targets if n not in names]
+    if extra:
+        raise ProcckptError(
+            f"checkpoint {path.name} has no sharded state for {', '.join(extra)}: it was written "
+            "with other Checkpointer arguments; use a new checkpoint dir")
+    if not names:
+        return
+    try:
+        dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
+                 planner=_safe_load_planner(), no_dist=not use_group)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ProcckptError(f"cannot load the sharded state of {path.name}: {first}") from e
+
+
+# -- agreeing ------------------------------------------------------------------------------
+@dataclass
+class Flags:
+    """What one rank wants at a safe point; after the all-reduce, what the group does."""
+
+    stop: bool = False
+    checkpoint: bool = False
+    interval: bool = False
+    best: bool = False
+    epoch: bool = False
+    seq: int = 0  # the newest launcher request this rank has seen
+
+    def reason(self) -> str | None:
+        for name in ("stop", "checkpoint", "interval", "best", "epoch"):
+            if getattr(self, name):
+                return name
+        return None
+
+
+class RankAgreement:
+    """Decides, identically on every rank, at which safe points the group all-reduces.
+
+    ``every``: a fixed number of steps between agreements, or None for adaptive (about every
+    :data:`AGREE_SECONDS`, from the slowest rank's seconds per step).
+    """
+
+    def __init__(self, device: torch.device, every: int | None = None,
+                 group: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if every is not None and every < 1:
+            raise UsageError(f"sync_every must be at least 1, got {every}")
+        self.device = device
+        self.every = every
+        self.group = group
+        self._clock = clock
+        self._next_step = 0
+        self._last: tuple[int, float] | None = None
+        self._per_step = 0.0
+        self.agreements = 0
+
+    def due(self, step: int, epoch_end: bool) -> bool:
+        return epoch_end or step >= self._next_step
+
+    def reduce(self, flags: Flags, step: int) -> Flags:
+        """All-reduce ``flags`` (a collective: every rank must call it at the same step)."""
+        now = self._clock()
+        if self._last is not None and step > self._last[0]:
+            # Only steps taken count: an epoch end right after a batch's agreement (same step)
+            # would otherwise look like a step of a few microseconds.
+            last_step, last_time = self._last
+            self._per_step = (now - last_time) / (step - last_step)
+        per_step = self._per_step
+        t = torch.tensor([flags.stop, flags.checkpoint, flags.interval, flags.best, flags.epoch,
+                          flags.seq, per_step], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        v = t.tolist()
+        self.agreements += 1
+        if self.every is not None:
+            k = self.every
+        elif v[6] > 0:
+            k = max(1, min(MAX_SYNC_EVERY, int(AGREE_SECONDS / v[6])))
+        else:
+            k = 1
+        self._next_step = step + k
+        if self._last is None or step > self._last[0]:
+            self._last = (step, self._clock())
+        return Flags(stop=v[0] > 0, checkpoint=v[1] > 0, interval=v[2] > 0, best=v[3] > 0,
+                     epoch=v[4] > 0, seq=int(v[5]))
+
+
+def _device_for_group(group: Any = None) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# -- saving and loading as a group ---------------------------------------------------------
+class DistributedCoordinator:
+    """The collective side of one rank's Checkpointer."""
+
+    def __init__(self, sync_every: int | None = None, allow_reshard: bool = False,
+                 group: Any = None) -> None:
+        if sync_every is None and os.environ.get(ENV_SYNC_EVERY):
+            try:
+                sync_every = int(os.environ[ENV_SYNC_EVERY])
+            except ValueError:
+                raise UsageError(f"bad {ENV_SYNC_EVERY}={os.environ[ENV_SYNC_EVERY]!r}: expected "
+                                 "a whole number of steps") from None
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.device = _device_for_group(group)
+        self.agreement = RankAgreement(self.device, sync_every, group)
+        self.allow_reshard = allow_reshard
+
+    # small collectives ---------------------------------------------------------------------
+    def _broadcast_text(self, text: str | None) -> str:
+        """Rank 0's ``text`` on every rank."""
+        buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=self.device)
+        if self.rank == 0:
+            data = (text or "").encode()[:_PATH_BYTES - 1]
+            if data:
+                buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+        dist.broadcast(buf, src=self._src(), group=self.group)
+        raw = bytes(buf.cpu().tolist())
+        return raw.split(b"\0", 1)[0].decode()
+
+    def _src(self) -> int:
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
+    def _any(self, flag: bool) -> list[int]:
+        """Every rank learns which ranks raised ``flag``."""
+        t = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
+        t[self.rank] = int(flag)
+        dist.all_reduce(t, group=self.group)
+        return [r for r, v in enumerate(t.tolist()) if v]
+
+    # agreement ------------------------------------------------------------------------------
+    def agree(self, ck: Checkpointer, local: Flags, epoch_end: bool) -> Flags | None:
+        """The group's decision at this safe point, or None when it is not an agreement step."""
+        if not self.agreement.due(ck.step, epoch_end):
+            return None
+        return self.agreement.reduce(local, ck.step)
+
+    # save ------------------------------------------------------------------------------------
+    def save(self, ck: Checkpointer, reason: str) -> CheckpointInfo | None:
+        started = time.monotonic()
+        sharded = _sharded(ck._statefuls)
+        pending: PendingCheckpoint | None = None
+        message = ""
+        if self.rank == 0:
+            meta = ck._meta(reason)
+            meta.update(world_size=self.world_size, sharded=sorted(sharded))
+            try:
+                pending = ck.store.begin(meta)
+                message = str(pending.path)
+            except Exception as e:  # broadcast the failure instead of leaving ranks waiting
+                message = f"!{e}"
+        tmp_text = self._broadcast_text(message)
+        if tmp_text.startswith("!"):
+            raise ProcckptError(f"rank 0 could not start a checkpoint: {tmp_text[1:]}")
+        tmp = Path(tmp_text)
+
+        error: str | None = None
+        if sharded:
+            import torch.distributed.checkpoint as dcp
+
+            try:
+                # Collective; DCP itself reports a failure on every rank.
+                dcp.save(dict(sharded), checkpoint_id=str(tmp), process_group=self.group)
+            except Exception as e:
+                error = f"sharded state: {e}"
+        if error is None:
+            try:
+                if self.rank == 0:
+                    assert pending is not None
+                    from .state import PAYLOAD
+
+                    with pending.open(PAYLOAD) as f:
+                        torch.save(ck._payload(exclude=set(sharded)), f)
+                else:
+                    _write_synced(tmp / RANK_FILE.format(rank=self.rank), {
+                        "format": RANK_FILE_FORMAT, "rank": self.rank,
+                        "world_size": self.world_size, "step": ck.step, **ck._rng_payload()})
+            except Exception as e:
+                error = str(e)
+        failed = self._any(error is not None)
+        if failed:
+            if pending is not None:
+                pending.abort()
+            if error:
+                logger.error("rank %d could not write its part of the checkpoint: %s",
+                             self.rank, error)
+            raise ProcckptError(
+                f"the checkpoint failed on rank(s) {', '.join(map(str, failed))} (see their "
+                "logs); the previous checkpoint stays the one to resume from")
+
+        result = ""
+        info_out: CheckpointInfo | None = None
+        if self.rank == 0:
+            assert pending is not None
+            try:
+                for name in sorted(os.listdir(tmp)):
+                    if name not in pending.files and name != "MANIFEST.json" \
+                            and not name.startswith(".tmp-") and not name.endswith(".tmp"):
+                        pending.add_file(name)  # other ranks' files, DCP's shards
+                info_out = pending.commit()
+                ck.store.prune()
+                result = info_out.path.name
+            except Exception as e:
+                pending.abort()
+                result = f"!{e}"
+        # Everyone waits for the commit: no rank runs (or exits) ahead of a half-made checkpoint.
+        committed = self._broadcast_text(result)
+        if committed.startswith("!"):
+            raise ProcckptError(f"rank 0 could not commit the checkpoint: {committed[1:]}")
+        if info_out is None:  # not rank 0: the manifest is rank 0's business
+            info_out = CheckpointInfo(ck.store.ckpt_root / committed,
+                                      int(committed.split("-")[1]), {})
+        ck._after_save(info_out, reason, time.monotonic() - started)
+        return info_out
+
+    # load -------------------------------------------------------------------------------------
+    def load_latest(self, ck: Checkpointer) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+        """Collective: every rank loads the checkpoint rank 0 picked (verified)."""
+        choice = ""
+        payload: dict[str, Any] | None = None
+        info: CheckpointInfo | None = None
+        if self.rank == 0:
+            try:
+                loaded = ck._load_latest()
+            except ProcckptError as e:
+                choice = f"!{e}"
+            else:
+                if loaded is not None:
+                    info, payload = loaded
+                    choice = info.path.name
+        choice = self._broadcast_text(choice)
+        if choice.startswith("!"):
+            raise CheckpointCorruptError(choice[1:])
+        if not choice:
+            return None
+        path = ck.store.ckpt_root / choice
+        if info is None:
+            manifest = ck.store._read_manifest(path)
+            if manifest is None:
+                raise CheckpointCorruptError(
+                    f"rank {self.rank} cannot read {path}/MANIFEST.json that rank 0 read: is "
+                    f"{ck.store.root} on a file system that every node shares?")
+            info = CheckpointInfo(path, int(choice.split("-")[1]), manifest)
+        error: Exception | None = None
+        try:
+            if payload is None:
+                payload = ck._read_payload(info)
+            payload = self._adapt(ck, info, payload)
+        except Exception as e:
+            error = e
+        failed = self._any(error is not None)
+        if isinstance(error, ProcckptError):
+            raise error
+        if error is not None:
+            raise ProcckptError(f"rank {self.rank} could not load {info.path}: {error}") from error
+        if failed:
+            raise ProcckptError(f"rank(s) {', '.join(map(str, failed))} could not load {choice} "
+                                "(see their logs)")
+        assert payload is not None
+        load_sharded(ck._statefuls, info.path, list(info.manifest.get("sharded") or []),
+                     use_group=True)
+        return info, payload
+
+    def _adapt(self, ck: Checkpointer, info: CheckpointInfo,
+               payload: dict[str, Any]) -> dict[str, Any]:
+        """This rank's view of a checkpoint: its random streams; positions if resharding."""
+        saved_world = int(info.manifest.get("world_size", 1) or 1)
+        if saved_world != self.world_size:
+            check_world_size(info, saved_world, self.world_size, self.allow_reshard,
+                             log=self.rank == 0)
+            payload = rescale_position(payload, saved_world, self.world_size, log=self.rank == 0)
+        if self.rank == 0 or self.rank >= saved_world:
+            if self.rank >= saved_world:
+                logger.warning("rank %d has no saved random streams (the checkpoint has %d "
+                               "ranks); it keeps the ones the script seeded", self.rank,
+                               saved_world)
+                # Its streams as the script seeded them, standing in for "now" and for the
+                # epoch's start (a mid-epoch resume replays the epoch from the latter).
+                from .rng import capture_rng
+
+                payload = {**payload, "rng": capture_rng(), "epoch_rng": capture_rng()}
+            return payload
+        rank_path = info.path / RANK_FILE.format(rank=self.rank)
+        try:
+            mine = torch.load(rank_path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ProcckptError(f"rank {self.rank} cannot load {rank_path}: {e}") from e
+        if not isinstance(mine, dict) or mine.get("format") != RANK_FILE_FORMAT:
+            raise ProcckptError(f"{rank_path} is not a procckpt rank file")
+        return {**payload, "rng": mine["rng"], "epoch_rng": mine["epoch_rng"]}
+
+
+def check_world_size(info: CheckpointInfo, saved: int, now: int, allow_reshard: bool,
+                     log: bool = True) -> None:
+    """Refuse a checkpoint of ``saved`` ranks in a run of ``now`` ranks unless resharding."""
+    if saved == now:
+        return
+    if not allow_reshard:
+        raise WorldSizeMismatch(
+            f"checkpoint {info.name} was written by {saved} ranks, this run has {now}: run "
+            f"with {saved} ranks to resume exactly, or pass allow_reshard=True to the "
+            "Checkpointer to load it into the new world size (sharded state is resharded; "
+            "data order and random streams will then differ from an uninterrupted run)")
+    if log:
+        logger.warning("resharding checkpoint %s from %d to %d ranks: the model and optimizer "
+                       "are restored, the data order and random streams are not those of an "
+                       "uninterrupted run", info.name, saved, now)
+
+
+def rescale_position(payload: dict[str, Any], saved: int, now: int,
+                     log: bool = True) -> dict[str, Any]:
+    """Keep the fraction of the epoch already trained when the world size changes: with a
+    DistributedSampler each rank's share of an epoch scales with 1/world_size."""
+    progress = dict(payload["progress"])
+    batch = int(progress.get("batch", 0))
+    if batch:
+        progress["batch"] = (batch * saved) // now
+        (logger.warning if log else logger.debug)(
+            "mid-epoch checkpoint: resuming at batch %d of the epoch (was %d with %d ranks)",
+            progress["batch"], batch, saved)
+    return {**payload, "progress": progress}
+
+
+def _write_synced(path: Path, obj: Any) -> None:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(path.parent)
+
+
+def coordinator_for(sync_every: int | None, allow_reshard: bool) -> DistributedCoordinator | None:
+    """A coordinator when a process group is up; an error when ranks run without one."""
+    if dist.is_available() and dist.is_initialized():
+        return DistributedCoordinator(sync_every, allow_reshard)
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if world > 1:
+        raise UsageError(
+            f"WORLD_SIZE is {world} but torch.distributed is not initialised: create the "
+            "Checkpointer after torch.distributed.init_process_group() (or "
+            "procckpt.init_distributed()), so that the ranks can agree on checkpoints")
+    return None

@@ -1,0 +1,247 @@
+"""``procckpt k8s``: options + command -> a ``batch/v1`` Job manifest (a pure function).
+
+How the Job maps procckpt's contract onto Kubernetes:
+
+    Kubernetes                                   procckpt
+    -------------------------------------------  ----------------------------------------------
+    pod termination (preemption, eviction,       SIGTERM to PID 1 = ``procckpt run``: checkpoint
+    drain, Kueue suspending the workload):       now, stop the training, exit 75 (EX_TEMPFAIL)
+    SIGTERM, then SIGKILL after
+    terminationGracePeriodSeconds                = --grace (time the checkpoint may take)
+                                                 + the launcher's exit margin
+    podFailurePolicy, in order:
+      DisruptionTarget condition -> Ignore       a preemption is not the run's fault: retried
+                                                 without counting
+      exit code 75 -> Count                      "checkpointed, retry": a new pod resumes; each
+                                                 one counts against backoffLimit
+      any other non-zero exit -> FailJob         a real error: no retries to burn
+    backoffLimit                                 = --max-restarts, the restart budget
+    restartPolicy: Never                         required by onExitCodes rules; also makes every
+                                                 retry a new pod, scheduled anywhere
+    PVC mounted at --mount-path                  the checkpoint dir survives the pod
+
+Because podFailurePolicy is set, Kubernetes starts a replacement pod only once the old one has
+fully terminated (podReplacementPolicy defaults to Failed), so two pods never write the
+checkpoint dir at once. ``procckpt run`` as PID 1 handles the signals it needs and reaps
+orphaned processes (see pid1.py), so no init shim is needed in the image.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import EX_TEMPFAIL, UsageError
+
+__all__ = ["K8sJobSpec", "job_manifest", "render_manifest", "EXIT_MARGIN", "CONTAINER"]
+
+CONTAINER = "train"
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+#: Seconds past --grace before the kubelet's SIGKILL: after the checkpoint is confirmed the
+#: launcher gives the command up to 15 s to exit (supervisor.EXIT_AFTER_CONFIRM), then stops it.
+EXIT_MARGIN = 30
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+_LABEL_KEY_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass
+class K8sJobSpec:
+    """What to run and where; durations in seconds."""
+
+    command: list[str]
+    image: str
+    pvc: str
+    name: str = "procckpt-train"
+    namespace: str | None = None
+    mount_path: str = "/checkpoints"
+    dir: str | None = None  # default: <mount_path>/<name>
+    cpu: str | None = None
+    memory: str | None = None
+    gpus: int = 0
+    gpu_resource: str = "nvidia.com/gpu"
+    node_selector: dict[str, str] = field(default_factory=dict)
+    queue: str | None = None
+    grace: float = 60.0
+    max_restarts: int = 20
+    time_limit: float | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    shm: str | None = None
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.dir or f"{self.mount_path.rstrip('/')}/{self.name}"
+
+    def validate(self) -> None:
+        """Raise UsageError for what the API server would reject, with what to do instead."""
+        if not self.command:
+            raise UsageError("no command given: put it after --, e.g. procckpt k8s --image IMG "
+                             "--pvc CLAIM -- python train.py")
+        if not self.image.strip():
+            raise UsageError("--image is empty: give the container image that has procckpt "
+                             "and your training code")
+        if len(self.name) > 63 or not _DNS_LABEL.match(self.name):
+            raise UsageError(f"bad --name {self.name!r}: use at most 63 lower-case letters, "
+                             "digits and '-', starting and ending with a letter or digit")
+        if self.namespace is not None and (len(self.namespace) > 63
+                                           or not _DNS_LABEL.match(self.namespace)):
+            raise UsageError(f"bad --namespace {self.namespace!r}: lower-case letters, digits "
+                             "and '-', at most 63")
+        if len(self.pvc) > 253 or not _DNS_SUBDOMAIN.match(self.pvc):
+            raise UsageError(f"bad --pvc {self.pvc!r}: the name of a PersistentVolumeClaim "
+                             "(lower-case letters, digits, '-' and '.')")
+        for path, what in ((self.mount_path, "--mount-path"), (self.checkpoint_dir, "--dir")):
+            if not path.startswith("/"):
+                raise UsageError(f"bad {what} {path!r}: must be an absolute path in the pod")
+        mount = self.mount_path.rstrip("/") + "/"
+        if not (self.checkpoint_dir.rstrip("/") + "/").startswith(mount):
+            raise UsageError(f"--dir {self.checkpoint_dir} is outside --mount-path "
+                             f"{self.mount_path}: checkpoints would be lost with the pod")
+        for value, what in ((self.cpu, "--cpu"), (self.memory, "--memory"), (self.shm, "--shm")):
+            if value is not None and not _QUANTITY.match(value):
+                raise UsageError(f"bad {what} {value!r}: a Kubernetes quantity like 4, 500m, "
+                                 "16Gi")
+        if self.gpus < 0:
+            raise UsageError(f"bad --gpus {self.gpus}: must be 0 or more")
+        check_label_key(self.gpu_resource, "--gpu-resource")
+        for key, value in self.node_selector.items():
+            check_label_key(key, "--node-selector")
+            check_label_value(value, f"--node-selector {key}")
+        if self.queue is not None:
+            check_label_value(self.queue, "--queue")
+            if not self.queue:
+                raise UsageError("--queue is empty: give the name of a Kueue LocalQueue")
+        for key in self.env:
+            if not _ENV_NAME.match(key):
+                raise UsageError(f"bad --env name {key!r}: letters, digits and '_'")
+        if self.grace <= 0:
+            raise UsageError("--grace must be positive")
+        if self.max_restarts < 0:
+            raise UsageError("--max-restarts must be 0 or more")
+        if self.time_limit is not None and self.time_limit <= self.grace:
+            raise UsageError(f"--time-limit ({self.time_limit:g}s) must be longer than --grace "
+                             f"({self.grace:g}s)")
+
+
+def check_label_key(key: str, what: str) -> None:
+    prefix, _, name = key.rpartition("/")
+    if (prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix))) \
+            or len(name) > 63 or not _LABEL_KEY_NAME.match(name):
+        raise UsageError(f"bad {what} key {key!r}: [prefix/]name, name at most 63 letters, "
+                         "digits, '-', '_' or '.'")
+
+
+def check_label_value(value: str, what: str) -> None:
+    if len(value) > 63 or not _LABEL_VALUE.match(value):
+        raise UsageError(f"bad {what} value {value!r}: at most 63 letters, digits, '-', '_' or "
+                         "'.', starting and ending with a letter or digit")
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g}s"
+
+
+def inner_command(spec: K8sJobSpec) -> list[str]:
+    """What the container runs: the launcher around the user's command."""
+    argv = ["procckpt", "run", "--dir", spec.checkpoint_dir, "--grace", _seconds(spec.grace)]
+    if spec.time_limit is not None:
+        argv += ["--time-limit", _seconds(spec.time_limit)]
+    return [*argv, "--", *spec.command]
+
+
+def job_manifest(spec: K8sJobSpec) -> dict[str, Any]:
+    """The Job as plain data (dicts, lists, str, int), fields in the API reference's order."""
+    spec.validate()
+    labels = {"app.kubernetes.io/name": spec.name, "app.kubernetes.io/managed-by": "procckpt"}
+    job_labels = dict(labels)
+    if spec.queue:
+        job_labels[KUEUE_QUEUE_LABEL] = spec.queue
+    metadata: dict[str, Any] = {"name": spec.name}
+    if spec.namespace:
+        metadata["namespace"] = spec.namespace
+    metadata["labels"] = job_labels
+
+    requests: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
+    if spec.cpu:
+        requests["cpu"] = spec.cpu
+    if spec.memory:
+        requests["memory"] = spec.memory
+        limits["memory"] = spec.memory
+    if spec.gpus:
+        limits[spec.gpu_resource] = spec.gpus  # extended resources: limits (requests follow)
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+
+    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+    mounts: list[dict[str, Any]] = [{"name": "checkpoints", "mountPath": spec.mount_path}]
+    volumes: list[dict[str, Any]] = [
+        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": spec.pvc}}]
+    if spec.shm:
+        # DataLoader workers and NCCL pass tensors through /dev/shm; a container's default is
+        # 64 MiB.
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm}})
+
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": spec.image,
+        "command": inner_command(spec),
+        "env": env,
+    }
+    if resources:
+        container["resources"] = resources
+    container["volumeMounts"] = mounts
+
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": math.ceil(spec.grace) + EXIT_MARGIN,
+    }
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
+    pod_spec["containers"] = [container]
+    pod_spec["volumes"] = volumes
+
+    job_spec: dict[str, Any] = {
+        "backoffLimit": spec.max_restarts,
+        "completions": 1,
+        "parallelism": 1,
+    }
+    if spec.queue:
+        job_spec["suspend"] = True  # Kueue admits (unsuspends) it when the queue has quota
+    job_spec["podFailurePolicy"] = {"rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "Count", "onExitCodes": {"containerName": CONTAINER, "operator": "In",
+                                            "values": [EX_TEMPFAIL]}},
+        {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn",
+                                              "values": [EX_TEMPFAIL]}},
+    ]}
+    job_spec["template"] = {"metadata": {"labels": labels}, "spec": pod_spec}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}
+
+
+def render_manifest(spec: K8sJobSpec) -> str:
+    """The manifest as YAML, with a header saying how it was made and how to use it."""
+    manifest = job_manifest(spec)
+    body = yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=100)
+    header = (
+        f"# Generated by procckpt k8s for: {shlex.join(spec.command)}\n"
+        f"# SIGTERM -> checkpoint within {spec.grace:g}s -> exit {EX_TEMPFAIL} -> a new pod "
+        f"resumes (at most {spec.max_restarts} times); preemptions do not count.\n"
+        f"# kubectl apply -f THIS_FILE; procckpt status {spec.checkpoint_dir} (in a pod with "
+        "the claim mounted)\n"
+    )
+    return header + body

@@ -1,0 +1,98 @@
+"""``procckpt run`` as PID 1 of a new PID namespace, as in a Kubernetes pod (done-when 5).
+
+A real namespace (``unshare --pid --fork --mount-proc``, needs root): the pod's SIGTERM, sent
+from the parent namespace as the kubelet's container runtime does, makes procckpt checkpoint
+and exit 75, the code the Job manifest retries on. A signal procckpt has no handler for is
+ignored, as the kernel does for any PID 1, and orphans re-parented to it are reaped.
+
+Runtime: about 20 s.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from procckpt.errors import EX_TEMPFAIL
+from procckpt.events import read_events
+
+from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="a new PID namespace needs root and util-linux's unshare")
+
+
+def ns_pids(pid: int) -> list[int]:
+    """The process's pid in each PID namespace it belongs to, outermost first."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    raise AssertionError("no NSpid line in /proc/PID/status")
+
+
+def wait_until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
+    ckpt = workdir / "ckpt"
+    # The command leaves two orphans behind (each subshell exits at once, so its `sleep 2` is
+    # re-parented to the namespace's PID 1, procckpt), then trains.
+    train = (f"(sleep 2 &); (sleep 2 &); exec {PYTHON} {PROGRAMS / 'tiny_train.py'} "
+             "--epochs 40 --step-sleep 0.05")
+    argv = ["unshare", "--pid", "--fork", "--mount-proc",
+            *procckpt_argv(), "run", "--dir", str(ckpt), "--grace", "20s", "--",
+            "sh", "-c", train]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROCCKPT_TOKEN", None)
+    proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        init = wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the namespace")[0]
+        assert ns_pids(init.pid)[-1] == 1, "procckpt is not PID 1 of the new namespace"
+        orphans = wait_until(
+            lambda: [c for c in init.children() if c.name() == "sleep"], 30, "the orphans")
+        assert len(orphans) == 2
+        wait_until(lambda: list((ckpt / "control").glob("hello-*.json")), 60, "training")
+
+        # Left to the default action SIGQUIT would kill a process; PID 1 never takes it.
+        init.send_signal(signal.SIGQUIT)
+        # The orphans exit after 2 s; reaped, they leave the process table altogether.
+        wait_until(lambda: not any(psutil.pid_exists(o.pid) for o in orphans), 10,
+                   "the orphans to be reaped (they stayed zombies)")
+        assert init.is_running() and proc.poll() is None, "SIGQUIT killed PID 1"
+
+        init.send_signal(signal.SIGTERM)  # what the kubelet sends when the pod is deleted
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == EX_TEMPFAIL, stderr[-3000:]
+    events = list(read_events(ckpt / "events.jsonl"))
+    trigger = next(e for e in events if e["event"] == "trigger")
+    assert trigger["reason"] == "SIGTERM" and trigger["action"] == "stop"
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0]["reason"] == "SIGTERM"
+    assert saved[0]["time"] - trigger["time"] < 20  # within the grace
+    assert events[-1]["event"] == "exit" and events[-1]["code"] == EX_TEMPFAIL
+
+    # The next pod resumes from that checkpoint and finishes.
+    again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", PYTHON,
+                 str(PROGRAMS / "tiny_train.py"), "--epochs", "40"], cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {saved[0]['checkpoint']}" in again.stderr

@@ -1,0 +1,57 @@
+"""Done-when 2 of issue 6: ``procckpt run -- srun`` with 2 tasks in a job on the real (test)
+Slurm cluster, stopped by its one-minute time limit and requeued until it finishes, ends
+bit-identical to an uninterrupted 2-rank run.
+
+Only rank 1 reads the launcher's requests (``PROCCKPT_POLL_RANKS=1``); the job is requeued
+once per cycle, by the launcher in the batch step, never by the ranks. About 3 minutes (cycles
+of ~30 s: Slurm sends ``--signal=B:USR1@15`` 15-45 s into a one-minute job).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ..conftest import EXAMPLES, PYTHON
+from ..slurm_cluster import SlurmCluster
+from .test_slurm import Job, JobWatcher, procckpt_sbatch
+from .test_torchrun import SHAPE, assert_same_run, uninterrupted
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+DDP = EXAMPLES / "ddp_train.py"
+# 3 epochs x 16 steps of >= 1 s: >= 48 s of training, more than one ~30 s cycle holds.
+ARGS = [*SHAPE, "--sleep", "1.0"]
+
+
+def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmCluster,
+                                                        tmp_path: Path):
+    job = Job("srun", tmp_path / "job")
+    job.workdir.mkdir()
+    out = job.workdir / "out"
+    procckpt_sbatch(slurm_cluster, job, ["-t", "1", "--ntasks", "2"],
+                    ["srun", PYTHON, str(DDP), *ARGS, "--out", str(out)],
+                    env={"PROCCKPT_POLL_RANKS": "1"})
+    watcher = JobWatcher(slurm_cluster).start()
+    try:
+        reference = uninterrupted(tmp_path, DDP, SHAPE, "reference")  # while the job runs
+        record = watcher.wait_done(job.job_id, timeout=900)
+    finally:
+        watcher.stop()
+        slurm_cluster.run(["scancel", str(job.job_id)], check=False)
+    assert record["JobState"] == "COMPLETED", (record, job.log[-4000:])
+    restarts = int(record["Restarts"])
+    assert restarts >= 2, f"only {restarts + 1} cycles: the test needs >= 3"
+    log = job.log
+    # Once per cycle, by the launcher: not once per rank.
+    assert log.count("procckpt: requeued Slurm job") == restarts, log[-4000:]
+    events = job.events
+    assert [e["reason"] for e in events if e["event"] == "exit"] == \
+        ["requeued"] * restarts + ["finished"]
+    # Both ranks stopped at the same step each time; rank 0 only through the agreement.
+    stops = [e for e in events if e["event"] == "checkpoint" and e["reason"] != "end"]
+    assert len(stops) >= restarts
+    assert all(e["reason"] == "stop requested on another rank" for e in stops), stops
+    assert any(e["event"] == "resume" and e["batch"] > 0 for e in events)
+    assert_same_run(reference, out)

@@ -1,0 +1,181 @@
+"""Distributed training under ``procckpt run -- torchrun``: 2 gloo ranks on CPU.
+
+Done-when 1 and 3 of issue 6: a DDP run (replicated state) and an FSDP2 run (sharded state,
+through DCP) are stopped several times by ``--time-limit`` while only rank 1 reads the launcher's
+requests (``PROCCKPT_POLL_RANKS=1``: rank 0 learns of each stop through the all-reduce alone),
+and end bit-identical (torch.equal) to uninterrupted runs: parameters, optimizer state and each
+rank's next random draw. A SIGTERM sent to one worker alone stops both ranks at the same step.
+
+Runtime: 4-8 minutes on 2 cores (each torchrun start costs 4-12 s of imports, with load).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from procckpt.events import read_events
+
+from ..conftest import EXAMPLES, PYTHON, procckpt_argv, run
+
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+DDP = EXAMPLES / "ddp_train.py"
+FSDP = EXAMPLES / "fsdp_train.py"
+# 3 epochs x 16 steps (512 samples, 16 per rank and step) of >= 0.7 s: >= 33.6 s of training.
+# A 24 s cycle with 5 s of grace trains at most ~16 s of it (torchrun and two workers take
+# 3-12 s to start, depending on load), so every interrupted run stops at least twice, mostly
+# in mid-epoch.
+SHAPE = ["--epochs", "3", "--train-size", "512"]
+ARGS = [*SHAPE, "--sleep", "0.7"]
+
+
+def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
+    # --standalone: a fresh rendezvous on a free port per start, so restarts never collide.
+    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+
+
+def uninterrupted(workdir: Path, script: Path, args: list[str], name: str) -> Path:
+    out = workdir / name
+    result = run(torchrun(2, script, *args, "--out", str(out)), cwd=workdir,
+                 env={"PROCCKPT_DIR": str(workdir / f"{name}-ckpt")})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def assert_same_run(a: Path, b: Path, ranks: int = 2) -> None:
+    """Each rank's final parameters, optimizer state and next random draw are identical."""
+    for rank in range(ranks):
+        ra = torch.load(f"{a}.rank{rank}.pt", weights_only=True)
+        rb = torch.load(f"{b}.rank{rank}.pt", weights_only=True)
+        for key in ra["model"]:
+            assert torch.equal(ra["model"][key], rb["model"][key]), f"rank {rank}: {key} differs"
+        assert ra["model"].keys() == rb["model"].keys()
+        if "optimizer" in ra:
+            for p, st in ra["optimizer"]["state"].items():
+                for k, v in st.items():
+                    assert torch.equal(v, rb["optimizer"]["state"][p][k]), \
+                        f"rank {rank}: optimizer {p}.{k} differs"
+        assert torch.equal(ra["draw"], rb["draw"]), f"rank {rank}: random stream differs"
+
+
+def interrupted(workdir: Path, script: Path, args: list[str], name: str) -> tuple[Path, list]:
+    out = workdir / name
+    ckpt = workdir / f"{name}-ckpt"
+    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "24s",
+                  "--grace", "5s", "--max-restarts", "30", "--",
+                  *torchrun(2, script, *args, "--out", str(out))],
+                 cwd=workdir, timeout=600, env={"PROCCKPT_POLL_RANKS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    events = list(read_events(ckpt / "events.jsonl"))
+    stops = [e for e in events if e["event"] == "restart" and e["cause"] == "deadline"]
+    assert len(stops) >= 2, f"stopped only {len(stops)} time(s); the test needs >= 2"
+    # Rank 0 (the writer) never read a request: it saved because rank 1 told it so.
+    reasons = [e["reason"] for e in events if e["event"] == "checkpoint" and e["reason"] != "end"]
+    assert reasons and all(r == "stop requested on another rank" for r in reasons), reasons
+    assert events[-1]["event"] == "exit" and events[-1]["reason"] == "finished"
+    return out, events
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return uninterrupted(tmp_path_factory.mktemp("ddp-ref"), DDP, SHAPE, "reference")
+
+
+@pytest.mark.slow
+def test_ddp_stopped_twice_via_one_rank_ends_bit_identical(workdir: Path, ddp_reference: Path):
+    resumed, events = interrupted(workdir, DDP, ARGS, "resumed")
+    assert any(e["event"] == "resume" and e["batch"] > 0 for e in events), \
+        "no cycle resumed in the middle of an epoch"
+    ckpts = sorted((workdir / "resumed-ckpt" / "checkpoints").glob("ckpt-*"))
+    assert ckpts and all((c / "rank-00001.pt").is_file() for c in ckpts), \
+        "rank 1's random streams are not inside the committed checkpoint"
+    assert_same_run(ddp_reference, resumed)
+
+
+def _worker(rank: int, marker: str) -> psutil.Process | None:
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []) and \
+                    p.environ().get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in p.environ():
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(workdir: Path,
+                                                                 ddp_reference: Path):
+    out = workdir / "signalled"
+    ckpt = workdir / "ckpt"
+    argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--",
+            *torchrun(2, DDP, *ARGS, "--out", str(out))]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROCCKPT_TOKEN", None)
+    proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list((ckpt / "control").glob("hello-*.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "training never started"
+            time.sleep(0.2)
+        time.sleep(2.0)  # mid-epoch
+        rank1 = _worker(1, str(out))
+        assert rank1 is not None, "rank 1's worker process not found"
+        rank1.send_signal(signal.SIGTERM)  # to that one process only
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, stderr[-3000:]  # checkpointed, not finished: run again
+    stops = re.findall(r"stopping after checkpoint at step (\d+) \(([^)]*)\)", stderr)
+    assert len(stops) == 2, stderr[-3000:]
+    assert stops[0][0] == stops[1][0], f"ranks stopped at different steps: {stops}"
+    assert {reason for _, reason in stops} == {"SIGTERM", "stop requested on another rank"}
+    assert len(list((ckpt / "checkpoints").glob("ckpt-*"))) == 1
+
+    again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--",
+                 *torchrun(2, DDP, *SHAPE, "--out", str(out))], cwd=workdir, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from ckpt-00000001" in again.stderr
+    assert_same_run(ddp_reference, out)
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_state_through_dcp_resumes_exactly(workdir: Path):
+    reference = uninterrupted(workdir, FSDP, SHAPE, "reference")
+    resumed, _ = interrupted(workdir, FSDP, ARGS, "resumed")
+    for ckpt in (workdir / "resumed-ckpt" / "checkpoints").glob("ckpt-*"):
+        names = {p.name for p in ckpt.iterdir()}
+        assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00001.pt"} <= names, names
+    assert_same_run(reference, resumed)
+
+
+def test_other_world_size_is_refused_or_resharded_exactly(workdir: Path):
+    ckpt = {"PROCCKPT_DIR": str(workdir / "ckpt")}
+    two = run(torchrun(2, FSDP, "--epochs", "1", "--out", str(workdir / "two")), cwd=workdir,
+              env=ckpt)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    refused = run([PYTHON, str(FSDP), "--epochs", "1"], cwd=workdir, env=ckpt)
+    assert refused.returncode != 0
+    assert "was written by 2 ranks, this run has 1" in refused.stderr
+    assert "allow_reshard=True" in refused.stderr
+
+    one = run([PYTHON, str(FSDP), "--epochs", "1", "--reshard", "--out", str(workdir / "one")],
+              cwd=workdir, env=ckpt)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "resharding checkpoint ckpt-00000001 from 2 to 1 ranks" in one.stderr
+    full_two = torch.load(f"{workdir / 'two'}.rank0.pt", weights_only=True)["model"]
+    full_one = torch.load(f"{workdir / 'one'}.rank0.pt", weights_only=True)["model"]
+    assert full_two.keys() == full_one.keys()
+    for key in full_two:  # each rank's shard landed in the right place of the full tensor
+        assert torch.equal(full_two[key], full_one[key]), key

@@ -1,0 +1,273 @@
+"""The ranks' agreement and the group checkpoint, with real gloo process groups.
+
+Two ranks are real processes (torch.multiprocessing, spawn) talking over loopback; one pytest
+process plays a single rank where a group of one is enough. About 15 s in all.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from procckpt import Checkpointer
+from procckpt import distributed as pd
+from procckpt.errors import ProcckptError, UsageError
+
+# -- pure parts ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,rank,local,expected", [
+    ("all", 3, 1, True), ("", 3, 1, True), ("1", 1, 1, True), ("1", 0, 0, False),
+    ("0,8", 8, 0, True), ("0,8", 9, 1, False), ("local0", 9, 0, True), ("local0", 9, 1, False),
+])
+def test_which_ranks_poll_the_control_dir(spec: str, rank: int, local: int, expected: bool):
+    assert pd.polls_control(rank, local, spec) is expected
+
+
+@pytest.mark.parametrize("hostlist,first", [
+    ("vm", "vm"), ("gpu[07-09,12],cpu1", "gpu07"), ("a-b[001-004]", "a-b001"), ("n1,n2", "n1"),
+    ("node[5]", "node5"),
+])
+def test_rank_zero_host_comes_from_the_slurm_host_list(hostlist: str, first: str):
+    assert pd.first_host(hostlist) == first
+
+
+def test_a_bad_poll_spec_says_what_to_write():
+    with pytest.raises(UsageError, match="use all, local0 or a list of ranks"):
+        pd.polls_control(0, 0, "rank1")
+
+
+def test_dcp_metadata_loader_refuses_what_dcp_never_writes(tmp_path: Path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned > " + str(tmp_path / "pwned"),))
+
+    import io
+
+    with pytest.raises(pickle.UnpicklingError, match="DCP itself never writes"):
+        pd._DcpMetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_ranks_without_a_process_group_are_refused(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(UsageError, match="after torch.distributed.init_process_group"):
+        Checkpointer(tmp_path / "ckpt", model=nn.Linear(2, 2))
+
+
+# -- a group of one, in this process -------------------------------------------------------
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_adaptive_agreement_spaces_all_reduces_by_step_time(group_of_one):
+    clock = FakeClock()
+    agreement = pd.RankAgreement(torch.device("cpu"), every=None, clock=clock)
+    assert agreement.due(1, epoch_end=False)
+    agreement.reduce(pd.Flags(), 1)  # no step time known yet: agree again at the next step
+    assert agreement.due(2, epoch_end=False)
+    clock.now += 0.05  # one 50 ms step
+    agreement.reduce(pd.Flags(), 2)
+    # 0.2 s / 50 ms = every 4 steps
+    assert not agreement.due(5, epoch_end=False) and agreement.due(6, epoch_end=False)
+    # An epoch end is always an agreement point; one at the step just agreed on must not
+    # be mistaken for a microsecond-long step.
+    clock.now += 0.001
+    assert agreement.due(2, epoch_end=True)
+    agreement.reduce(pd.Flags(), 2)
+    assert not agreement.due(5, epoch_end=False) and agreement.due(6, epoch_end=False)
+
+
+def test_fixed_agreement_interval(group_of_one):
+    agreement = pd.RankAgreement(torch.device("cpu"), every=3)
+    agreement.reduce(pd.Flags(stop=True, seq=4), 0)
+    assert [s for s in range(1, 10) if agreement.due(s, False)] == [3, 4, 5, 6, 7, 8, 9]
+    decided = agreement.reduce(pd.Flags(checkpoint=True, seq=2), 3)
+    assert decided.checkpoint and not decided.stop and decided.seq == 2
+    assert [s for s in range(4, 10) if agreement.due(s, False)] == [6, 7, 8, 9]
+
+
+# -- two ranks -------------------------------------------------------------------------------
+
+
+def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
+    """Each rank runs the same scenarios in the same order (they are collective)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
+    torch.set_num_threads(1)
+    # The parent serves the rendezvous store on a port it already holds: no port race with
+    # other processes on a busy machine.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    out: dict[str, Any] = {"rank": rank}
+    try:
+        # A: a request seen by rank 1 alone makes both ranks save at the same step.
+        torch.manual_seed(rank)
+        model = nn.Linear(4, 2)
+        ckpt = Checkpointer(Path(root) / "a", model=model, sync_every=1, save_every=0)
+        for i in ckpt.batches(range(12)):
+            torch.rand(1)  # each rank's own stream moves
+            if rank == 1 and i == 4:
+                ckpt.request_checkpoint(reason="rank 1 asked")
+        out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saved_at)  # type: ignore[union-attr]
+
+        # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
+        real = pd._write_synced
+
+        def broken(path: Path, obj: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        ckpt_b = Checkpointer(Path(root) / "b", model=nn.Linear(4, 2), save_every=0)
+        if rank == 1:
+            pd._write_synced = broken  # type: ignore[assignment]
+        try:
+            ckpt_b.save("test")
+            out["b"] = "saved"
+        except ProcckptError as e:
+            out["b"] = str(e)
+        finally:
+            pd._write_synced = real  # type: ignore[assignment]
+
+        # C: a stop that only rank 1 wants stops both ranks, after one checkpoint; adaptive
+        # agreement, 10 ms steps: the ranks agree every 20 steps (0.2 s).
+        ckpt_c = Checkpointer(Path(root) / "c", model=nn.Linear(4, 2), save_every=0)
+        try:
+            for i in ckpt_c.batches(range(100)):
+                time.sleep(0.01)
+                if rank == 1 and i == 7:
+                    ckpt_c.request_checkpoint(stop=True, reason="SIGTERM")
+            out["c"] = "ran to the end"
+        except SystemExit as e:
+            out["c"] = (e.code, ckpt_c.step)
+        # D: a one-process, mid-epoch checkpoint resumed by two ranks (allow_reshard): rank 1
+        # has no saved streams and keeps its seed; the position is scaled to 2 ranks.
+        torch.manual_seed(100 + rank)
+        ckpt_d = Checkpointer(Path(root) / "d", model=nn.Linear(4, 2), allow_reshard=True,
+                              save_every=0)
+        out["d_resumed_at"] = (ckpt_d.epoch, ckpt_d.batch)
+        seen = [i for _ in ckpt_d.epochs(1) for i in ckpt_d.batches(range(10))]
+        out["d_seen"] = seen
+    except Exception:
+        out["error"] = traceback.format_exc()
+    results.put(out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, dict]]:
+    root = tmp_path_factory.mktemp("two-ranks")
+    # For scenario D: a checkpoint of one process, 5 batches into the first epoch.
+    single = Checkpointer(root / "d", model=nn.Linear(4, 2), save_every=0)
+    for _ in single.epochs(1):
+        for i in single.batches(range(10)):
+            if i == 5:
+                single.save("mid-epoch")
+                break
+        break
+    single.close()
+    ctx = mp.get_context("spawn")
+    results_queue = ctx.Queue()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [ctx.Process(target=_scenarios, args=(r, store.port, str(root), results_queue))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict] = {}
+    deadline = time.monotonic() + 300
+    while len(results) < len(procs):
+        try:
+            out = results_queue.get(timeout=2)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead, f"a rank died with exit code {dead} (see the captured stderr)"
+            assert time.monotonic() < deadline, "the two ranks did not finish in 300 s"
+            continue
+        results[out["rank"]] = out
+    for p in procs:
+        p.join(timeout=30)
+    del store
+    for out in results.values():
+        assert "error" not in out, out["error"]
+    return root, results
+
+
+def test_a_request_on_one_rank_saves_on_every_rank_at_the_same_step(two_ranks):
+    root, results = two_ranks
+    assert results[0]["a_saved"] == results[1]["a_saved"]
+    name, (_, batch, step) = results[0]["a_saved"]
+    assert step == 5  # the safe point right after rank 1 asked (agreeing every step)
+    ckpts = sorted((root / "a" / "checkpoints").glob("ckpt-*"))
+    assert [c.name for c in ckpts] == [name]
+    assert {p.name for p in ckpts[0].iterdir()} == {"state.pt", "rank-00001.pt", "MANIFEST.json"}
+
+
+def test_each_rank_resumes_its_own_random_stream(two_ranks):
+    """Rank 1's stream lives in rank-00001.pt; resuming it in a new process reproduces the
+    draw rank 1 made after the checkpoint."""
+    root, results = two_ranks
+    ckpt = next((root / "a" / "checkpoints").glob("ckpt-*"))
+    mine = torch.load(ckpt / "rank-00001.pt", weights_only=True)
+    assert mine["rank"] == 1 and mine["world_size"] == 2
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert not torch.equal(mine["rng"]["torch"], state["rng"]["torch"])  # two streams
+
+
+def test_a_failed_part_aborts_the_whole_checkpoint(two_ranks):
+    root, results = two_ranks
+    for rank in (0, 1):
+        assert "failed on rank(s) 1" in results[rank]["b"]
+    leftovers = list((root / "b" / "checkpoints").iterdir())
+    assert leftovers == [], leftovers
+
+
+def test_a_stop_on_one_rank_stops_both_after_one_checkpoint(two_ranks):
+    root, results = two_ranks
+    assert results[0]["c"] == results[1]["c"]
+    code, step = results[0]["c"]
+    assert code == 75 and 8 <= step <= 8 + 25, step
+    assert len(list((root / "c" / "checkpoints").glob("ckpt-*"))) == 1
+
+
+def test_one_process_refuses_a_two_rank_checkpoint_unless_resharding(two_ranks):
+    root, _ = two_ranks
+    directory = root / "a"
+    with pytest.raises(pd.WorldSizeMismatch, match="written by 2 ranks, this run has 1"):
+        Checkpointer(directory, model=nn.Linear(4, 2))
+    model = nn.Linear(4, 2)
+    ckpt = Checkpointer(directory, model=model, allow_reshard=True)
+    assert ckpt.step == 5 and ckpt.batch == 5 * 2  # the epoch position scaled by 2 ranks / 1
+    ckpt.close()
+
+
+def test_two_ranks_reshard_a_one_process_checkpoint_mid_epoch(two_ranks):
+    _, results = two_ranks
+    # 5 batches of one process are 2 (rounded down) of each of two ranks.
+    assert results[0]["d_resumed_at"] == results[1]["d_resumed_at"] == (0, 2)
+    assert results[0]["d_seen"] == results[1]["d_seen"] == list(range(2, 10))
