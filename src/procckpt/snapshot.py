@@ -16,10 +16,12 @@ it was fsynced and renamed into place. One write is in flight at a time: a secon
 waits for the first, so the extra host memory is one copy of the state, never two.
 
 Why a thread and not a helper process: the thread spends its time in ``os.write``, CRC-32 and
-``fsync``, which all release the GIL, and holds it for a few microseconds per 32 MiB piece;
-``python -m procckpt.bench`` measures both ways (the "GIL" rows of BENCHMARKS.md) and a helper
-process buys nothing measurable while it would need the host copy in shared memory, a second
-interpreter, and care that it never outlives (or renames a checkpoint after) its parent.
+``fsync``, which all release the GIL; ``python -m procckpt.bench`` measures it holding the GIL
+for about a millisecond in all while it writes 1 GiB, and a Python-heavy training loop runs
+as fast beside the writer thread as beside a helper process doing the same write (the "GIL"
+table of BENCHMARKS.md). A helper process would buy nothing measurable and cost the host copy
+in shared memory, a second interpreter, and care that it never outlives (or renames a
+checkpoint after) its parent.
 
 Exit paths never lose a write in flight: the writer thread is not a daemon, so the interpreter
 waits for it at exit (also after an exception in the training script); a stop request and the

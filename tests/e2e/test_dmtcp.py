@@ -57,9 +57,10 @@ def loop_reference(workdir: Path, n: int) -> list[str]:
 
 
 def procckpt_run(workdir: Path, ckpt: Path, options: list[str], command: list[str],
-                 timeout: float = 600) -> subprocess.CompletedProcess[str]:
+                 timeout: float = 600, env: dict[str, str] | None = None,
+                 ) -> subprocess.CompletedProcess[str]:
     return run([*procckpt_argv(), "run", "--dir", str(ckpt), *options, "--", *command],
-               cwd=workdir, timeout=timeout)
+               cwd=workdir, timeout=timeout, env=env)
 
 
 def assert_resumed_from_images(result: subprocess.CompletedProcess[str], ckpt: Path,
@@ -224,7 +225,7 @@ def newest_image(ckpt: Path) -> tuple[Path, dict]:
     return directory / manifest["dmtcp"]["images"][0], manifest
 
 
-@pytest.mark.parametrize("damage", ["truncated", "unrestorable"])
+@pytest.mark.parametrize("damage", ["truncated", "unrestorable", "hanging"])
 @needs_dmtcp
 def test_a_bad_newest_image_falls_back_to_the_previous_one(workdir: Path, damage: str):
     ckpt = workdir / "ckpt"
@@ -236,20 +237,27 @@ def test_a_bad_newest_image_falls_back_to_the_previous_one(workdir: Path, damage
         os.truncate(image, image.stat().st_size // 2)
     else:
         # An image that is intact on disk but cannot be restored (another DMTCP's, a changed
-        # system): dmtcp_restart fails; the manifest is updated so that the checksum passes.
-        image.write_bytes(os.urandom(image.stat().st_size))
+        # system): dmtcp_restart fails at once ("unrestorable"), or its restore never ends (a
+        # cut image: mtcp_restart spins). The manifest is updated so that the checksum passes.
+        if damage == "unrestorable":
+            image.write_bytes(os.urandom(image.stat().st_size))
+        else:
+            os.truncate(image, image.stat().st_size // 2)
         crc, size = file_crc32(image)
         manifest["files"][image.name] = {"bytes": size, "crc32": crc}
         (image.parent / "MANIFEST.json").write_text(json.dumps(manifest))
 
-    result = procckpt_run(workdir, ckpt, [], [*LOOP, "--steps", "300", "--out", "out.txt"])
+    result = procckpt_run(workdir, ckpt, [], [*LOOP, "--steps", "300", "--out", "out.txt"],
+                          env={"PROCCKPT_DMTCP_RESTORE_TIMEOUT": "8s"})
     assert result.returncode == 0, result.stderr[-3000:]
     if damage == "truncated":
         assert "checkpoint ckpt-00000002 is unusable" in result.stderr
         assert (ckpt / "checkpoints" / "ckpt-00000002.corrupt").is_dir()
     else:
-        assert ("restarting from ckpt-00000002 failed (dmtcp_restart exited with 99); falling "
-                "back to the previous image, ckpt-00000001") in result.stderr
+        why = ("dmtcp_restart exited with 99" if damage == "unrestorable" else
+               "the restore did not finish within 8s")
+        assert (f"restarting from ckpt-00000002 failed ({why}); falling back to the previous "
+                "image, ckpt-00000001") in result.stderr
         kinds = [e["event"] for e in events(ckpt)]
         assert "restore-failed" in kinds and "fallback" in kinds
     resumed = [e["checkpoint"] for e in events(ckpt) if e["event"] == "resume"]

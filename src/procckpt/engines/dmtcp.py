@@ -45,6 +45,7 @@ from typing import Any
 
 from ..child import _die_with_parent as die_with_parent
 from ..errors import ProcckptError, UsageError
+from ..durations import parse_duration
 from ..events import append_event
 from ..store import CheckpointInfo, CheckpointStore
 from . import Confirmation
@@ -64,6 +65,8 @@ RESTORE_BYTES_PER_S = 20e6
 #: After the command exited, how long to still wait for the coordinator's restart script.
 AFTER_EXIT_WAIT_S = 10.0
 ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
+#: Overrides the restore time limit (a duration: 90s, 10m) for slow filesystems.
+ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
 _GIVEN_FILES_RE = re.compile(r'^given_ckpt_files="([^"]*)"', re.MULTILINE)
 _PEERS_RE = re.compile(r"NUM_PEERS=(\d+)")
 _RUNNING_RE = re.compile(r"RUNNING=(yes|no)")
@@ -165,6 +168,9 @@ class DmtcpEngine:
         self.store = store
         self.tools = tools
         self.gzip = gzip if gzip is not None else environ.get(ENV_GZIP, "") in ("1", "true", "yes")
+        limit = environ.get(ENV_RESTORE_TIMEOUT)
+        self.restore_timeout = (parse_duration(limit, what=ENV_RESTORE_TIMEOUT) if limit
+                                else None)
         self.work = store.root / "dmtcp"
         self.images = self.work / "images"
         self.port_file = self.work / "coord-port"
@@ -408,7 +414,8 @@ class DmtcpEngine:
         started = time.monotonic()
         limit = None
         if cycle.restored_from is not None:
-            limit = RESTORE_BASE_S + cycle.restored_from.nbytes / RESTORE_BYTES_PER_S
+            limit = self.restore_timeout or (RESTORE_BASE_S + cycle.restored_from.nbytes
+                                             / RESTORE_BYTES_PER_S)
         while not cycle.over.is_set():
             state = self._status(cycle)
             if state is not None and state[0] >= 1 and state[1]:
