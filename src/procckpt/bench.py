@@ -291,7 +291,6 @@ def bench_size(size: int, repeats: int, work: Path, log: Callable[[str], None]) 
             f"{res.raw_write[-1]:.2f}s")
     for ck in ckpts.values():
         ck.close()
-    del loops, ckpts
     torch_path.unlink(missing_ok=True)
 
     # Restore into the same model, from a cold cache, against a raw read of the same bytes.
@@ -316,9 +315,7 @@ def bench_size(size: int, repeats: int, work: Path, log: Callable[[str], None]) 
     raw_path.unlink(missing_ok=True)
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
-    del model
-    gc.collect()
-    return res
+    return res  # the caller collects the model and its host copy
 
 
 def _append_pair(a: list[float], b: list[float], pair: tuple[float, float]) -> None:
@@ -398,7 +395,7 @@ def bench_gil(size: int, repeats: int, work: Path, log: Callable[[str], None],
     try:
         for r in range(repeats):
             deadline = time.perf_counter() + 1.5
-            rates["idle"].append(loop.run(lambda: time.perf_counter() > deadline))
+            rates["idle"].append(loop.run(lambda d=deadline: time.perf_counter() > d))
 
             def via_thread() -> None:
                 writer = StreamingFileWriter(dst)
