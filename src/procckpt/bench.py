@@ -291,7 +291,6 @@ def bench_size(size: int, repeats: int, work: Path, log: Callable[[str], None]) 
             f"{res.raw_write[-1]:.2f}s")
     for ck in ckpts.values():
         ck.close()
-    del loops, ckpts
     torch_path.unlink(missing_ok=True)
 
     # Restore into the same model, from a cold cache, against a raw read of the same bytes.
@@ -316,9 +315,7 @@ def bench_size(size: int, repeats: int, work: Path, log: Callable[[str], None]) 
     raw_path.unlink(missing_ok=True)
     for d in dirs.values():
         shutil.rmtree(d, ignore_errors=True)
-    del model
-    gc.collect()
-    return res
+    return res  # the caller collects the model and its host copy
 
 
 def _append_pair(a: list[float], b: list[float], pair: tuple[float, float]) -> None:
@@ -398,50 +395,57 @@ def bench_gil(size: int, repeats: int, work: Path, log: Callable[[str], None],
     try:
         for r in range(repeats):
             deadline = time.perf_counter() + 1.5
-            rates["idle"].append(loop.run(lambda: time.perf_counter() > deadline))
+            rates["idle"].append(loop.run(lambda d=deadline: time.perf_counter() > d))
 
-            writer = StreamingFileWriter(dst)
-            done = threading.Event()
-            spent: list[float] = []
+            def via_thread() -> None:
+                writer = StreamingFileWriter(dst)
+                done = threading.Event()
+                spent: list[float] = []
 
-            def write() -> None:
-                t0 = time.perf_counter()
-                writer.write(view)
-                writer.finish()
-                spent.append(time.perf_counter() - t0)
-                done.set()
+                def write() -> None:
+                    t0 = time.perf_counter()
+                    writer.write(view)
+                    writer.finish()
+                    spent.append(time.perf_counter() - t0)
+                    done.set()
 
-            thread = threading.Thread(target=write)
-            thread.start()
-            rates["thread"].append(loop.run(done.is_set))
-            thread.join()
-            writes["thread"].append(spent[0])
-            # Outside the GIL-free calls (CRC, write, fadvise, fsync) the thread may hold it.
-            held.append(max(0.0, spent[0] - writer.io_seconds))
-            dst.unlink()
+                thread = threading.Thread(target=write)
+                thread.start()
+                rates["thread"].append(loop.run(done.is_set))
+                thread.join()
+                writes["thread"].append(spent[0])
+                # Outside the GIL-free calls (CRC, write, fadvise, fsync) the thread may hold it.
+                held.append(max(0.0, spent[0] - writer.io_seconds))
+                dst.unlink()
 
-            helper = subprocess.Popen([sys.executable, "-c", _HELPER, str(src), str(dst)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            assert helper.stdout is not None and helper.stdin is not None
-            helper.stdout.readline()  # "ready": the interpreter start is not measured
-            finished = threading.Event()
-            went: list[float] = []
+            def via_process() -> None:
+                helper = subprocess.Popen(
+                    [sys.executable, "-c", _HELPER, str(src), str(dst)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert helper.stdout is not None and helper.stdin is not None
+                helper.stdout.readline()  # "ready": the interpreter start is not measured
+                finished = threading.Event()
+                went: list[float] = []
 
-            def watch() -> None:
-                assert helper.stdout is not None
-                helper.stdout.readline()
-                writes["process"].append(time.perf_counter() - went[0])
-                finished.set()
+                def watch() -> None:
+                    assert helper.stdout is not None
+                    helper.stdout.readline()
+                    writes["process"].append(time.perf_counter() - went[0])
+                    finished.set()
 
-            watcher = threading.Thread(target=watch)
-            watcher.start()
-            went.append(time.perf_counter())
-            helper.stdin.write("go\n")
-            helper.stdin.flush()
-            rates["process"].append(loop.run(finished.is_set))
-            watcher.join()
-            helper.wait()
-            dst.unlink()
+                watcher = threading.Thread(target=watch)
+                watcher.start()
+                went.append(time.perf_counter())
+                helper.stdin.write("go\n")
+                helper.stdin.flush()
+                rates["process"].append(loop.run(finished.is_set))
+                watcher.join()
+                helper.wait()
+                dst.unlink()
+
+            for variant in ((via_thread, via_process) if r % 2 == 0
+                            else (via_process, via_thread)):
+                variant()
             log(f"  GIL repeat {r + 1}/{repeats}: steps/s idle {rates['idle'][-1]:.0f}, "
                 f"writer thread {rates['thread'][-1]:.0f} (write {writes['thread'][-1]:.2f}s), "
                 f"helper process {rates['process'][-1]:.0f} (write "

@@ -76,8 +76,9 @@ ENV_ASYNC = "PROCCKPT_ASYNC"
 #: per-piece cost (a GIL hand-over, three system calls) vanishes, small enough that the
 #: disk starts writing the first piece while the next one is checksummed.
 CHUNK = 32 << 20
-#: Writes smaller than this (zip headers, the pickled structure) are gathered before writing.
-_SMALL = 1 << 20
+#: Writes smaller than this (zip headers, small tensors) are gathered before writing; the
+#: gathering buffer is the only memory the writer adds to the host copy.
+_SMALL = 64 << 10
 #: Storages are placed at multiples of this in the host arena (torch.save's own alignment).
 _ALIGN = 64
 #: Copies below this size are not worth starting threads for.
@@ -460,8 +461,9 @@ class HostArena:
     The arena is one anonymous mapping, as large as the state's tensors (rounded to whole
     pages), populated when it is made; only the first checkpoint (or one after the state
     grew) pays for that. When the state has CUDA tensors the mapping is page-locked
-    (``cudaHostRegister``) so that copies from the GPU are asynchronous DMAs. Each tensor's copy gets a storage of its own inside
-    the arena, so ``torch.save`` writes exactly the tensor's bytes (not a whole shared storage).
+    (``cudaHostRegister``) so that copies from the GPU are asynchronous DMAs. Each tensor's
+    copy gets a storage of its own inside the arena, so ``torch.save`` writes exactly the
+    tensor's bytes (not a whole shared storage).
     """
 
     def __init__(self) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
 import torch
 
 from procckpt.control import ControlChannel

@@ -183,6 +183,7 @@ class DmtcpEngine:
         self._job: _Job | None = None
         self._confirmed: Confirmation | None = None
         self._failed_images: set[str] = set()
+        self._warned_processes = False
         self._monitor: threading.Thread | None = None
 
     # -- Engine protocol ------------------------------------------------------------------
@@ -443,6 +444,12 @@ class DmtcpEngine:
                                            "DMTCP wrote no complete image"))
                 return
             names, write_seconds = written
+            if len(names) > 1 and not self._warned_processes:
+                self._warned_processes = True
+                logger.warning("dmtcp: the command runs as %d processes (DataLoader workers?); "
+                               "DMTCP 4.2 did not restore such programs correctly in our tests "
+                               "(docs/dmtcp.md): use DataLoader(num_workers=0) under DMTCP, or "
+                               "the hooks engine", len(names))
             job.committing = True
             info = self._commit(names, job, write_seconds, cycle)
         except Exception as e:  # a failed checkpoint must not kill the supervisor
