@@ -128,7 +128,7 @@ def test_two_runs_at_once_on_one_machine_both_finish(workdir: Path):
     outputs = [p.communicate(timeout=600) for p in procs]
     reference = loop_reference(workdir, 200)
     ports = []
-    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
         result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert_resumed_from_images(result, workdir / f"ckpt{i}", 200)
         assert (workdir / f"out{i}.txt").read_text().split()[:2] == reference
