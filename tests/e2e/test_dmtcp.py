@@ -289,3 +289,13 @@ def test_auto_keeps_a_script_that_imports_procckpt_on_hooks(workdir: Path):
     assert "procckpt: engine: hooks (train.py imports procckpt)" in result.stderr
     assert "trained" in result.stdout
 
+
+
+@needs_dmtcp
+def test_benchmark_prints_the_write_ratio(workdir: Path):
+    result = run([PYTHON, "-m", "procckpt.bench_dmtcp", "--mb", "8", "--reps", "1",
+                  "--dir", str(workdir)], cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratio = re.search(r"^ratio image write / raw write: +(\d+\.\d+)x$", result.stdout, re.M)
+    assert ratio and float(ratio.group(1)) > 0, result.stdout
+    assert not list(workdir.iterdir()), "the benchmark left files behind"
