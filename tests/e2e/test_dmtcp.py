@@ -102,6 +102,7 @@ def test_plain_loop_continues_from_its_image_across_time_limits(workdir: Path):
         assert re.fullmatch(r"\d+\.\ds", row[5]) and row[7:] == ["dmtcp", "deadline", "yes"]
 
 
+@pytest.mark.slow
 @needs_dmtcp
 def test_pytorch_training_continues_from_its_image_to_the_same_parameters(workdir: Path):
     reference = workdir / "reference.pt"
