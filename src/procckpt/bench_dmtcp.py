@@ -8,7 +8,9 @@ and compares, by medians of one run:
 
 * the image write: from the checkpoint request until DMTCP's images are complete;
 * a raw write of the same bytes: the image file's content, already in memory, written to a new
-  file in the same directory without fsync (DMTCP does not fsync either);
+  file in the same directory without fsync (DMTCP does not fsync either), right after each
+  checkpoint, so that both writes find the page cache in the same state (clean: the commit
+  fsyncs the image, and the raw file is fsynced after its timed write);
 * procckpt's commit: moving the images into a checkpoint, fsync, CRC-32, manifest, rename.
 
 The line to quote is ``ratio image write / raw write``. The numbers are for the machine they
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .engines.dmtcp import DmtcpEngine, find_dmtcp
@@ -49,7 +52,15 @@ while True:
 """
 
 
-def _measure(store_dir: Path, mb: int, reps: int, gzip: bool) -> dict[str, list[float] | int]:
+@dataclass
+class Measured:
+    writes: list[float]  # seconds from the request until DMTCP's images were complete
+    commits: list[float]  # seconds procckpt then took to commit them
+    raw_writes: list[float]  # seconds a plain write() of the same bytes took
+    nbytes: int  # of the newest checkpoint
+
+
+def _measure(store_dir: Path, mb: int, reps: int, gzip: bool) -> Measured:
     tools = find_dmtcp()
     if tools is None:
         raise SystemExit("bench_dmtcp: dmtcp_launch is not on PATH; install DMTCP first "
@@ -64,6 +75,7 @@ def _measure(store_dir: Path, mb: int, reps: int, gzip: bool) -> dict[str, list[
         line = child.stdout.readline() if child.stdout else ""
         if not line.startswith("ready"):
             raise SystemExit(f"bench_dmtcp: the workload did not start: {line!r}")
+        raw_writes = []
         for _ in range(reps):
             seq = engine.request("checkpoint", "bench")
             deadline = time.monotonic() + 600
@@ -72,6 +84,9 @@ def _measure(store_dir: Path, mb: int, reps: int, gzip: bool) -> dict[str, list[
             confirmed = engine.confirmation(seq)
             if confirmed is None or confirmed.checkpoint is None:
                 raise SystemExit(f"bench_dmtcp: checkpoint failed: {confirmed}")
+            newest = store.checkpoints()[0]
+            image = newest.file(newest.manifest["dmtcp"]["images"][0])
+            raw_writes.append(_raw_write(image.read_bytes(), store.root / "raw-write.bin"))
     finally:
         try:
             os.killpg(child.pid, 9)
@@ -82,22 +97,19 @@ def _measure(store_dir: Path, mb: int, reps: int, gzip: bool) -> dict[str, list[
     done = [e for e in read_events(store.events_path) if e.get("event") == "checkpoint"]
     writes = [float(e["write_seconds"]) for e in done]
     commits = [float(e["seconds"]) - float(e["write_seconds"]) for e in done]
-    newest = store.checkpoints()[0]
-    return {"writes": writes, "commits": commits, "bytes": newest.nbytes,
-            "image": str(newest.file(newest.manifest["dmtcp"]["images"][0]))}
+    return Measured(writes, commits, raw_writes, store.checkpoints()[0].nbytes)
 
 
-def _raw_writes(image: Path, reps: int) -> list[float]:
-    data = image.read_bytes()
-    target = image.parent.parent / "raw-write.bin"
-    times = []
-    for _ in range(reps):
+def _raw_write(data: bytes, target: Path) -> float:
+    """Seconds a plain write of ``data`` takes; the file is then fsynced (untimed) and removed,
+    leaving no dirty pages to slow the next measurement."""
+    with open(target, "wb") as f:
         started = time.monotonic()
-        with open(target, "wb") as f:
-            f.write(data)
-        times.append(time.monotonic() - started)
-        target.unlink()
-    return times
+        f.write(data)
+        seconds = time.monotonic() - started
+        os.fsync(f.fileno())
+    target.unlink()
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,12 +123,10 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="procckpt-bench-dmtcp-", dir=args.dir) as tmp:
         plain = _measure(Path(tmp) / "plain", args.mb, args.reps, gzip=False)
-        raw = _raw_writes(Path(str(plain["image"])), args.reps)
-        nbytes = int(plain["bytes"])  # type: ignore[arg-type]
-        write = statistics.median(plain["writes"])  # type: ignore[arg-type]
-        commit = statistics.median(plain["commits"])  # type: ignore[arg-type]
-        raw_s = statistics.median(raw)
-        mb = nbytes / 1e6
+        raw_s = statistics.median(plain.raw_writes)
+        write = statistics.median(plain.writes)
+        commit = statistics.median(plain.commits)
+        mb = plain.nbytes / 1e6
         print(f"process image: {mb:.1f} MB ({args.mb} MB of tensor data), medians of "
               f"{args.reps} checkpoints")
         print(f"DMTCP image write (no gzip):     {write:7.2f} s  {mb / write:8.0f} MB/s")
@@ -125,9 +135,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio image write / raw write:   {write / raw_s:7.2f}x")
         if args.gzip:
             zipped = _measure(Path(tmp) / "gzip", args.mb, max(1, args.reps // 2), gzip=True)
-            zwrite = statistics.median(zipped["writes"])  # type: ignore[arg-type]
+            zwrite = statistics.median(zipped.writes)
             print(f"DMTCP image write with gzip:     {zwrite:7.2f} s  "
-                  f"({int(zipped['bytes']) / 1e6:.1f} MB; {zwrite / write:.1f}x the plain write)")
+                  f"({zipped.nbytes / 1e6:.1f} MB; {zwrite / write:.1f}x the plain write)")
     return 0
 
 

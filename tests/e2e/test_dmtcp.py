@@ -102,6 +102,7 @@ def test_plain_loop_continues_from_its_image_across_time_limits(workdir: Path):
         assert re.fullmatch(r"\d+\.\ds", row[5]) and row[7:] == ["dmtcp", "deadline", "yes"]
 
 
+@pytest.mark.slow
 @needs_dmtcp
 def test_pytorch_training_continues_from_its_image_to_the_same_parameters(workdir: Path):
     reference = workdir / "reference.pt"
@@ -128,7 +129,7 @@ def test_two_runs_at_once_on_one_machine_both_finish(workdir: Path):
     outputs = [p.communicate(timeout=600) for p in procs]
     reference = loop_reference(workdir, 200)
     ports = []
-    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+    for i, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
         result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
         assert_resumed_from_images(result, workdir / f"ckpt{i}", 200)
         assert (workdir / f"out{i}.txt").read_text().split()[:2] == reference
@@ -289,3 +290,13 @@ def test_auto_keeps_a_script_that_imports_procckpt_on_hooks(workdir: Path):
     assert "procckpt: engine: hooks (train.py imports procckpt)" in result.stderr
     assert "trained" in result.stdout
 
+
+
+@needs_dmtcp
+def test_benchmark_prints_the_write_ratio(workdir: Path):
+    result = run([PYTHON, "-m", "procckpt.bench_dmtcp", "--mb", "8", "--reps", "1",
+                  "--dir", str(workdir)], cwd=workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ratio = re.search(r"^ratio image write / raw write: +(\d+\.\d+)x$", result.stdout, re.M)
+    assert ratio and float(ratio.group(1)) > 0, result.stdout
+    assert not list(workdir.iterdir()), "the benchmark left files behind"

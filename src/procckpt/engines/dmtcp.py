@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from ..child import _die_with_parent as die_with_parent
-from ..errors import ProcckptError, UsageError
 from ..durations import parse_duration
+from ..errors import ProcckptError, UsageError
 from ..events import append_event
 from ..store import CheckpointInfo, CheckpointStore
 from . import Confirmation
@@ -111,14 +111,14 @@ def find_dmtcp(path: str | None = None) -> DmtcpTools | None:
     if launch is None:
         return None
     home = Path(launch).parent
-    found = {}
+    found: list[str] = []
     for name in ("dmtcp_restart", "dmtcp_command", "dmtcp_coordinator"):
         sibling = home / name
-        found[name] = str(sibling) if os.access(sibling, os.X_OK) else shutil.which(name, path=path)
-        if found[name] is None:
+        where = str(sibling) if os.access(sibling, os.X_OK) else shutil.which(name, path=path)
+        if where is None:
             return None
-    return DmtcpTools(launch, found["dmtcp_restart"], found["dmtcp_command"],
-                      found["dmtcp_coordinator"])
+        found.append(where)
+    return DmtcpTools(launch, *found)
 
 
 @dataclass
