@@ -108,6 +108,7 @@ def main() -> None:
     if rank == 0:
         print("done", flush=True)
     if dist.is_initialized():
+        dist.barrier()  # no rank tears the group down while another still uses it
         dist.destroy_process_group()
 
 

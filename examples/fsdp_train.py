@@ -103,6 +103,7 @@ def main() -> None:
                    f"{args.out}.rank{rank}.pt")
     if rank == 0:
         print("done", flush=True)
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 
