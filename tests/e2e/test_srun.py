@@ -21,8 +21,9 @@ from .test_torchrun import SHAPE, assert_same_run, uninterrupted
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 DDP = EXAMPLES / "ddp_train.py"
-# 3 epochs x 16 steps of >= 1 s: >= 48 s of training, more than one ~30 s cycle holds.
-ARGS = [*SHAPE, "--sleep", "1.0"]
+# About 2 s a step: ~96 s of training, so a 1-minute job needs >= 3 cycles however fast
+# the machine (each cycle trains ~40 s before Slurm's signal).
+ARGS = [*SHAPE, "--sleep", "2.0"]
 
 
 def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmCluster,
