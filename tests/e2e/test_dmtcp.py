@@ -109,10 +109,11 @@ def test_pytorch_training_continues_from_its_image_to_the_same_parameters(workdi
     plain = run([*TORCH, "--epochs", "12", "--out", str(reference)], cwd=workdir)
     assert plain.returncode == 0, plain.stderr
     ckpt = workdir / "ckpt"
-    # 192 steps of >= 0.1 s: >= 20 s of training; a torch image (~650 MB) takes seconds to
-    # write, hence 25 s cycles with the checkpoint asked for 12 s before the end.
+    # 192 steps of >= 0.15 s: >= 29 s of training, more than two ~13 s windows on a quiet
+    # machine; a torch image (~650 MB) takes seconds to write, hence 25 s cycles with the
+    # checkpoint asked for 12 s before the end.
     result = procckpt_run(workdir, ckpt, ["--time-limit", "25s", "--grace", "12s"],
-                          [*TORCH, "--epochs", "12", "--step-sleep", "0.1",
+                          [*TORCH, "--epochs", "12", "--step-sleep", "0.15",
                            "--out", "resumed.pt"], timeout=900)
     assert_resumed_from_images(result, ckpt, 192)
     assert_bit_identical(reference, workdir / "resumed.pt")

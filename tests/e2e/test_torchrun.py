@@ -29,12 +29,12 @@ from ..conftest import EXAMPLES, PYTHON, procckpt_argv, run
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 DDP = EXAMPLES / "ddp_train.py"
 FSDP = EXAMPLES / "fsdp_train.py"
-# 3 epochs x 16 steps (512 samples, 16 per rank and step) of >= 0.7 s: >= 33.6 s of training.
-# A 24 s cycle with 5 s of grace trains at most ~16 s of it (torchrun and two workers take
-# 3-12 s to start, depending on load), so every interrupted run stops at least twice, mostly
+# 3 epochs x 16 steps (512 samples, 16 per rank and step) of >= 0.9 s: >= 43 s of training.
+# A 24 s cycle with 5 s of grace trains at most ~17 s of it (torchrun and two workers take
+# 2-12 s to start, depending on load), so every interrupted run stops at least twice, mostly
 # in mid-epoch.
 SHAPE = ["--epochs", "3", "--train-size", "512"]
-ARGS = [*SHAPE, "--sleep", "0.7"]
+ARGS = [*SHAPE, "--sleep", "0.9"]
 
 
 def torchrun(nproc: int, script: Path, *args: str) -> list[str]:
