@@ -36,8 +36,8 @@ def interrupted(workdir: Path, script: Path, args: list[str], limit: str, grace:
 
 
 def test_polynomial_regression_resumes_bit_identically(workdir: Path):
-    # 600 epochs with 25 ms sleep each: >= 15 s of training, and each 10 s cycle trains < 7 s.
-    args = ["--epochs", "600", "--sleep", "0.025"]
+    # 600 epochs with 30 ms sleep each: >= 18 s of training, and each 10 s cycle trains < 7 s.
+    args = ["--epochs", "600", "--sleep", "0.03"]
     script = EXAMPLES / "polynomial_regression.py"
     reference = uninterrupted(workdir, script, args)
     resumed, _ = interrupted(workdir, script, args, limit="10s", grace="3s")
@@ -46,11 +46,11 @@ def test_polynomial_regression_resumes_bit_identically(workdir: Path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cnn_shuffling_loader_with_dropout_resumes_mid_epoch(workdir: Path, workers: int):
-    # 3 epochs x 16 batches with 0.3 s per step: 14.4 s of training; each 12 s cycle trains < 9 s.
+    # 3 epochs x 16 batches with 0.4 s per step: 19.2 s of training; each 12 s cycle trains < 9 s.
     args = ["--epochs", "3", "--train-size", "1024", "--workers", str(workers)]
     script = EXAMPLES / "cnn_classifier.py"
     reference = uninterrupted(workdir, script, args)
-    resumed, events = interrupted(workdir, script, [*args, "--step-sleep", "0.3"],
+    resumed, events = interrupted(workdir, script, [*args, "--step-sleep", "0.4"],
                                   limit="12s", grace="3s")
     mid_epoch = [e for e in events if e["event"] == "resume" and e["batch"] > 0]
     assert mid_epoch, "no cycle resumed in the middle of an epoch"
