@@ -539,8 +539,11 @@ class Checkpointer:
         for name, obj in self._statefuls.items():
             if name not in sharded:
                 obj.load_state_dict(states[name])
-        # Nothing may keep pointing into the mapped file (see detach_from_file).
-        detach_from_file(payload, list(self._statefuls.values()))
+        # Nothing may keep pointing into the mapped file (see detach_from_file). Sharded
+        # state came through DCP, not from this file (and holds DTensors, which have no
+        # storage of their own to compare).
+        detach_from_file(payload, [obj for name, obj in self._statefuls.items()
+                                   if name not in sharded])
         return payload
 
     def _install_signal_handlers(self) -> None:

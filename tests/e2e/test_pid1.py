@@ -55,9 +55,8 @@ def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
     train = (f"(sleep 2 &); (sleep 2 &); exec {PYTHON} {PROGRAMS / 'tiny_train.py'} "
              "--epochs 40 --step-sleep 0.05")
     argv = ["unshare", "--pid", "--fork", "--mount-proc",
-            # --engine hooks: `auto` cannot see through `sh -c` that the script uses
-            # procckpt, and would pick DMTCP where it is installed.
-            *procckpt_argv(), "run", "--engine", "hooks", "--dir", str(ckpt), "--grace", "20s",
+            # --engine hooks: auto cannot see procckpt behind `sh -c` and might pick DMTCP.
+            *procckpt_argv(), "run", "--dir", str(ckpt), "--grace", "20s", "--engine", "hooks",
             "--",
             "sh", "-c", train]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
