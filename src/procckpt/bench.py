@@ -531,7 +531,7 @@ def bench_launcher(repeats: int, seconds: float, work: Path, log: Callable[[str]
         for launched in ((False, True) if r % 2 == 0 else (True, False)):
             d = work / f"launcher-{r}"
             if launched:
-                cmd = [*launcher_cmd, "run", "--dir", str(d), "--", *worker,
+                cmd = [*launcher_cmd, "run", "--engine", "hooks", "--dir", str(d), "--", *worker,
                        "--mode", "procckpt"]
             else:
                 cmd = [*worker, "--mode", "plain"]
