@@ -66,8 +66,10 @@ def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
     try:
         init = wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the namespace")[0]
         assert ns_pids(init.pid)[-1] == 1, "procckpt is not PID 1 of the new namespace"
+        # The two subshells run one after the other: wait until both orphans are there.
         orphans = wait_until(
-            lambda: [c for c in init.children() if c.name() == "sleep"], 30, "the orphans")
+            lambda: [c for c in init.children() if c.name() == "sleep"][1:] and
+            [c for c in init.children() if c.name() == "sleep"], 30, "the two orphans")
         assert len(orphans) == 2
         wait_until(lambda: list((ckpt / "control").glob("hello-*.json")), 60, "training")
 
