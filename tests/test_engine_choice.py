@@ -76,6 +76,8 @@ def test_module_and_inline_code_are_read(tmp_path, store):
     assert choose(store, ["python", "-c", "import procckpt; print(1)"], tmp_path).name == "hooks"
     assert choose(store, ["python", "-c", "print(1)"], tmp_path).name == "dmtcp"
     assert imports_procckpt(["sh", "-c", "exit 7"], tmp_path) is None
+    assert imports_procckpt(["python", "-m", "procckpt.bench", "worker"], tmp_path) == \
+        "procckpt.bench"
 
 
 def test_without_dmtcp_auto_falls_back_to_hooks_and_says_why(tmp_path, store):

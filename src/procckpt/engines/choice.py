@@ -111,6 +111,11 @@ def _newest_engine(store: CheckpointStore) -> str | None:
 
 def imports_procckpt(command: list[str], cwd: Path) -> str | None:
     """The script of ``command`` if its source imports procckpt, else None."""
+    args = command[1:] if command else []
+    if "-m" in args[:-1]:
+        module = args[args.index("-m") + 1]
+        if module == "procckpt" or module.startswith("procckpt."):
+            return module  # procckpt's own modules import it relatively, not by name
     for source_name, text in _sources(command, cwd):
         if _IMPORT_RE.search(text):
             return source_name
