@@ -107,6 +107,7 @@ class CycleOutcome:
     connected: bool = False
     forwarded: list[str] = field(default_factory=list)
     retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
+    stop_started: float | None = None  # when the stop's checkpoint was asked for
 
 
 class Supervisor:
@@ -266,7 +267,11 @@ class Supervisor:
         outcome.connected = outcome.connected or self.engine.connected()
         final = self.engine.end_cycle()
         if outcome.confirmed is None and final is not None:
+            # The command confirmed and exited between two looks of the watch loop (or it
+            # stopped itself): the journal still gets its confirmation.
             outcome.confirmed = final
+            since = outcome.stop_started if outcome.stop_started is not None else started
+            self._log_confirmed(final, self._clock() - since)
         after_exit = getattr(self.engine, "after_exit", None)
         if after_exit is not None:
             requested = (outcome.stop_cause is not None or outcome.confirmed is not None
@@ -312,6 +317,7 @@ class Supervisor:
                 elif action is Action.CHECKPOINT_STOP and stop_seq is None:
                     outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
                     stop_seq, give_up_at = self._begin_stop(name, now)
+                    outcome.stop_started = now
                 elif action is Action.CHECKPOINT and stop_seq is None:
                     self._trigger("checkpoint", name)
             if self._reap_orphans:
@@ -325,6 +331,7 @@ class Supervisor:
             if stop_seq is None and trigger_at is not None and now >= trigger_at:
                 outcome.stop_cause = StopCause.DEADLINE
                 stop_seq, give_up_at = self._begin_stop("deadline", now)
+                outcome.stop_started = now
             if next_interval is not None and now >= next_interval:
                 next_interval = now + interval  # type: ignore[operator]
                 if stop_seq is None:
