@@ -80,6 +80,35 @@ def test_module_and_inline_code_are_read(tmp_path, store):
         "procckpt.bench"
 
 
+@pytest.mark.parametrize("command", [
+    ["sh", "-c", "python train.py --epochs 3"],
+    ["bash", "-lc", "set -e; OMP_NUM_THREADS=1 exec python3 train.py 2>&1 | tee log"],
+    ["/bin/sh", "-ec", "echo start && srun --ntasks 2 python -m pkg.train # python other.py"],
+    ["bash", "--norc", "-c", "cd sub && python 'my train.py'"],
+])
+def test_a_shell_running_a_procckpt_script_inline_gets_hooks(tmp_path, store, command):
+    for name in ("train.py", "pkg/train.py", "sub/my train.py"):
+        write_script(tmp_path, name, "import procckpt\n")
+    write_script(tmp_path, "other.py", "print('no procckpt')\n")
+    choice = choose(store, command, tmp_path)
+    assert choice.name == "hooks", choice.reason
+    assert choice.reason.endswith("imports procckpt")
+
+
+@pytest.mark.parametrize("command", [
+    ["sh", "-c", "python other.py && echo 'python train.py'"],  # quoted text is no command
+    ["sh", "run.sh"],  # a script file: not read
+    ["sh", "-c", "python 'train.py"],  # unbalanced quote: the shell would refuse it
+    ["bash", "--", "-c", "python train.py"],
+])
+def test_a_shell_that_does_not_run_a_procckpt_script_inline_gets_dmtcp(tmp_path, store,
+                                                                      command):
+    write_script(tmp_path, "train.py", "import procckpt\n")
+    write_script(tmp_path, "other.py", "print('no procckpt')\n")
+    write_script(tmp_path, "run.sh", "python train.py\n")
+    assert choose(store, command, tmp_path).name == "dmtcp"
+
+
 def test_without_dmtcp_auto_falls_back_to_hooks_and_says_why(tmp_path, store):
     choice = choose(store, ["sh", "-c", "true"], tmp_path, tools=None)
     assert choice.name == "hooks"

@@ -27,12 +27,14 @@ from typing import Any
 
 from .store import write_file_atomic
 
-__all__ = ["Request", "Ack", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART", "ENV_CYCLE"]
+__all__ = ["Request", "Ack", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART", "ENV_CYCLE",
+           "ENV_ENGINE"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
 ENV_DIR = "PROCCKPT_DIR"
 ENV_RESTART = "PROCCKPT_RESTART"
 ENV_CYCLE = "PROCCKPT_CYCLE"
+ENV_ENGINE = "PROCCKPT_ENGINE_IN_USE"  # the engine procckpt run checkpoints the command with
 ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
 
 ACTION_CHECKPOINT = "checkpoint"  # save and go on training

@@ -135,6 +135,13 @@ class Checkpointer:
             raise ValueError(f"metric_mode must be 'max' or 'min', not {metric_mode!r}")
 
         token = os.environ.get(ctl.ENV_TOKEN)
+        if not token and os.environ.get(ctl.ENV_ENGINE) == "dmtcp":
+            # The launcher holds the dir's lock and images this whole process; checkpoints of
+            # our own would compete with its images.
+            raise ProcckptError(
+                "this script uses procckpt.Checkpointer, but procckpt run is checkpointing it "
+                "with DMTCP (--engine auto could not see the script, or --engine dmtcp was "
+                "given): run it with --engine hooks")
         self.launched = bool(token)
         self.dir = default_dir(dir).absolute()
         self.store = CheckpointStore(self.dir, keep=keep)

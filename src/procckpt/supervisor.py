@@ -249,7 +249,7 @@ class Supervisor:
         env.update(self.extra_env)
         env.update(engine_env)
         env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(restarts),
-                    ctl.ENV_CYCLE: str(self.cycles)})
+                    ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         child = self._child_factory(argv, env)
         started = self._clock()
         child.start()

@@ -292,6 +292,26 @@ def test_auto_keeps_a_script_that_imports_procckpt_on_hooks(workdir: Path):
     assert "trained" in result.stdout
 
 
+@needs_dmtcp
+def test_auto_reads_through_an_inline_shell_to_the_script(workdir: Path):
+    (workdir / "run").mkdir()
+    (workdir / "run" / "train.py").write_text("import procckpt\nprint('trained', flush=True)\n")
+    result = run([*procckpt_argv(), "run", "--dir", "ckpt", "--", "sh", "-c",
+                  f"cd run && OMP_NUM_THREADS=1 exec {PYTHON} train.py"], cwd=workdir)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "procckpt: engine: hooks (train.py imports procckpt)" in result.stderr
+    assert "trained" in result.stdout
+
+
+@needs_dmtcp
+def test_a_checkpointer_under_the_dmtcp_engine_says_to_use_hooks(workdir: Path):
+    result = procckpt_run(workdir, workdir / "ckpt", ["--engine", "dmtcp", "--time-limit", "60s"],
+                          [PYTHON, str(PROGRAMS / "tiny_train.py")], timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "procckpt run is checkpointing it with DMTCP" in result.stderr
+    assert "run it with --engine hooks" in result.stderr
+    assert "step " not in result.stdout  # refused before training, not part-way
+
 
 @needs_dmtcp
 def test_benchmark_prints_the_write_ratio(workdir: Path):

@@ -10,8 +10,10 @@ The rule of ``auto``, first match wins:
 5. a test launch under DMTCP fails: hooks;
 6. otherwise DMTCP: the command knows nothing of procckpt and DMTCP can image it.
 
-The script is the first ``*.py`` argument, the module of ``-m``, or the code of ``-c``; a
-script that reaches procckpt only through another module it imports is not seen: name the
+The script is the first ``*.py`` argument, the module of ``-m``, or the code of ``-c``. A
+shell given its commands inline (``sh -c 'cd run && python train.py'``, also ``bash -lc``)
+is read the same way: every simple command of its string counts. A script that reaches
+procckpt only through another module it imports, or a shell script file, is not seen: name the
 engine (``--engine hooks``) in that case.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping
@@ -37,6 +40,10 @@ logger = logging.getLogger(__name__)
 _IMPORT_RE = re.compile(r"^\s*(?:import\s+procckpt\b|from\s+procckpt(?:\.\w+)*\s+import\b)",
                         re.MULTILINE)
 _SCRIPT_LIMIT = 4 << 20
+_SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
+#: What separates two simple commands in a shell string (after shlex has split it).
+_SHELL_SEPARATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "{", "}", "!", "then",
+                               "do", "else", "elif", "exec", "time", "env", "nohup"})
 
 
 @dataclass(frozen=True)
@@ -111,6 +118,16 @@ def _newest_engine(store: CheckpointStore) -> str | None:
 
 def imports_procckpt(command: list[str], cwd: Path) -> str | None:
     """The script of ``command`` if its source imports procckpt, else None."""
+    inline = _shell_code(command)
+    if inline is not None:
+        for simple in _shell_commands(inline):
+            if simple[0] == "cd" and len(simple) == 2:  # cd run && python train.py
+                cwd = cwd / os.path.expanduser(simple[1])
+                continue
+            found = imports_procckpt(simple, cwd)
+            if found is not None:
+                return found
+        return None
     args = command[1:] if command else []
     if "-m" in args[:-1]:
         module = args[args.index("-m") + 1]
@@ -120,6 +137,42 @@ def imports_procckpt(command: list[str], cwd: Path) -> str | None:
         if _IMPORT_RE.search(text):
             return source_name
     return None
+
+
+def _shell_code(command: list[str]) -> str | None:
+    """The command string of ``sh -c STRING ...`` (any of the usual shells), else None."""
+    if not command or os.path.basename(command[0]) not in _SHELLS:
+        return None
+    for i, arg in enumerate(command[1:-1], start=1):
+        if arg == "--":
+            return None
+        if not arg.startswith("-") or arg.startswith("--"):
+            if arg.startswith("--"):
+                continue  # bash --login, --norc ...
+            return None  # a script file: sh run.sh
+        if "c" in arg[1:]:  # -c, -lc, -ec, -xec ...
+            return command[i + 1]
+    return None
+
+
+def _shell_commands(code: str) -> list[list[str]]:
+    """The simple commands of a shell string, as argument lists (best effort: no expansion)."""
+    try:
+        lexer = shlex.shlex(code, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        tokens = list(lexer)
+    except ValueError:  # unbalanced quotes: the shell itself would refuse it
+        return []
+    commands: list[list[str]] = [[]]
+    for token in tokens:
+        if token in _SHELL_SEPARATORS or (token and set(token) <= set(";&|()")):
+            commands.append([])
+        elif not commands[-1] and "=" in token and not token.startswith("="):
+            continue  # VAR=value before the command
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
 
 
 def _sources(command: list[str], cwd: Path) -> list[tuple[str, str]]:
