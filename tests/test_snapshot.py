@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import collections
 import os
+import subprocess
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -301,3 +303,29 @@ def test_isal_and_zlib_checksums_agree() -> None:
     data = os.urandom(3 << 20)
     assert isal_zlib.crc32(data) == zlib.crc32(data)
     assert isal_zlib.crc32(data[1000:], zlib.crc32(data[:1000])) == zlib.crc32(data)
+
+
+def test_a_checkpoint_written_with_one_crc_implementation_verifies_with_the_other(
+        tmp_path: Path) -> None:
+    pytest.importorskip("isal.isal_zlib",
+                        reason="the optional isal package (procckpt[fast]) is absent")
+    # The implementation is chosen at import, so each side runs in its own interpreter.
+    program = """
+import sys, torch
+from procckpt.checksum import IMPLEMENTATION
+from procckpt.snapshot import write_checkpoint
+from procckpt.store import CheckpointStore
+store = CheckpointStore(sys.argv[2]).open()
+if sys.argv[1] == "write":
+    write_checkpoint(store, {}, {"t": torch.randn(300_000)})
+    print(IMPLEMENTATION, "wrote")
+else:
+    print(IMPLEMENTATION, store.verify(store.checkpoints()[0].path) or "intact")
+"""
+    for writer, checker in (("isal", "zlib"), ("zlib", "isal")):
+        d = str(tmp_path / writer)
+        for action, crc, expect in (("write", writer, "wrote"), ("verify", checker, "intact")):
+            done = subprocess.run([sys.executable, "-c", program, action, d], text=True,
+                                  env={**os.environ, "PROCCKPT_CRC": crc},
+                                  capture_output=True, timeout=120)
+            assert done.stdout.split() == [crc, expect], done.stderr[-2000:]

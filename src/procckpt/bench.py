@@ -155,8 +155,12 @@ class TensorState(torch.nn.Module):
 
 def raw_write(views: Callable[[], Iterator[memoryview]], path: Path) -> float:
     """Seconds to write the bytes and fsync: plain os.write of 16 MiB pieces, then fsync."""
+    # A new file each time, as a checkpoint is: freeing the old file's blocks (0.6 s for
+    # 4 GiB on ext4 here) is not part of a write. procckpt deletes old checkpoints after the
+    # new one is durable, outside the time measured for it, too.
+    path.unlink(missing_ok=True)
     started = time.perf_counter()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         for view in views():
             for off in range(0, len(view), 16 * MiB):
@@ -181,6 +185,7 @@ def raw_read(path: Path, buf: bytearray) -> float:
 
 
 def plain_torch_save(payload: Any, path: Path) -> float:
+    path.unlink(missing_ok=True)  # a new file, as for raw_write
     started = time.perf_counter()
     with open(path, "wb") as f:
         torch.save(payload, f)
@@ -589,6 +594,14 @@ def safe_point_cost(work: Path, steps: int = 200_000) -> float:
 
 
 # -- the report ------------------------------------------------------------------------------
+def _quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``xs`` (sorted), by the nearest ranks."""
+    if not xs:
+        return float("nan"), float("nan")
+    n = len(xs)
+    return xs[(n - 1) // 4], xs[(3 * (n - 1) + 3) // 4]
+
+
 def verdict(value: float, target: float) -> str:
     if value != value:  # NaN
         return ""
@@ -656,8 +669,12 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
 
     header("Extra host memory: anonymous RSS growth / checkpoint size")
     ratios = [s.ckpt_memory / s.checkpoint_bytes for s in sizes]
-    row("first async checkpoint", [f"{x:.3f}" for x in ratios],
+    excess = [s.ckpt_memory - s.checkpoint_bytes for s in sizes]
+    row("first async checkpoint", [f"{x:.4f}" for x in ratios],
         f"<= {TARGETS['memory']} " + " ".join(verdict(x, TARGETS["memory"]) for x in ratios))
+    # What does not grow with the state (the writer's gathering buffer, its thread's stack,
+    # the payload's Python objects) shows as a ratio just above 1 at small sizes.
+    row("growth beyond 1x the checkpoint, KiB", [f"{x / 1024:+.0f}" for x in excess])
     row("restore", [f"{s.restore_memory / s.checkpoint_bytes:.3f}" for s in sizes])
 
     if gil is not None:
@@ -683,17 +700,33 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
 
     if launcher is not None:
         plain, launched = median(launcher.plain), median(launcher.launched)
-        overhead = launched / plain - 1
+        # Each pair ran back to back; the ratio within a pair cancels most of the drift of a
+        # shared machine, the spread across pairs says how much is left.
+        pairs = sorted(b / a - 1 for a, b in zip(launcher.plain, launcher.launched))
+        overhead = median(pairs)
+        low, high = _quartiles(pairs)
         cpu, rss = median(launcher.idle_cpu), median([float(x) for x in launcher.rss])
         uss = median([float(x) for x in launcher.uss])
         sp = launcher.safe_point_us
+        # What procckpt adds to a step: the safe point, and at most the launcher's CPU time
+        # (were every core busy with training, the launcher would take it from a step).
+        parts = sp / 1e6 / plain + cpu
+        if high <= TARGETS["step"]:
+            measured = "ok"
+        elif low > TARGETS["step"]:
+            measured = "MISSED"
+        else:
+            measured = "within the noise"
         items = [
             ("step time, plain loop (median)", f"{plain * 1e3:.3f} ms", ""),
             ("step time under procckpt run, no checkpoint", f"{launched * 1e3:.3f} ms", ""),
-            ("step-time overhead (measured)", f"{overhead:+.2%}",
-             f"<= {TARGETS['step']:.1%} {verdict(overhead, TARGETS['step'])}"),
+            (f"step-time overhead, end to end ({len(pairs)} pairs)",
+             f"{overhead:+.2%} (middle half {low:+.1%} .. {high:+.1%})",
+             f"<= {TARGETS['step']:.1%} {measured}"),
             ("safe-point cost per step (microbenchmark)",
              f"{sp:.2f} us = {sp / 1e6 / plain:.3%} of this step", ""),
+            ("step-time overhead from its parts (safe point + launcher CPU)", f"{parts:.3%}",
+             f"<= {TARGETS['step']:.1%} {verdict(parts, TARGETS['step'])}"),
             ("launcher CPU while idle", f"{cpu:.3%} of a core",
              f"<= {TARGETS['idle_cpu']:.1%} {verdict(cpu, TARGETS['idle_cpu'])}"),
             ("launcher RSS (USS)", f"{rss / 1e6:.1f} MB ({uss / 1e6:.1f} MB)",
@@ -705,7 +738,7 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
             lines.extend(f"| {a} | {b} | {c} |" for a, b, c in items)
         else:
             lines.append("procckpt run with no checkpoint in flight:")
-            lines.extend(f"  {a:<44}{b:>28}   {c}" for a, b, c in items)
+            lines.extend(f"  {a:<62}{b:>34}   {c}" for a, b, c in items)
     return "\n".join(lines)
 
 
@@ -729,7 +762,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement [5]")
     p.add_argument("--dir", default=".", help="where to write (the disk to measure) [.]")
     p.add_argument("--skip", default="", help="comma-separated sections to skip: gil,launcher")
-    p.add_argument("--launcher-seconds", type=float, default=12.0)
+    p.add_argument("--launcher-seconds", type=float, default=6.0,
+                   help="seconds of each run of the step-overhead comparison [6]")
     p.add_argument("--gil-size", help="bytes written in the GIL comparison [1GiB or less]")
     p.add_argument("--markdown", metavar="FILE", help="also write the tables as Markdown")
     p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke test)")
@@ -741,7 +775,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [parse_size(s) for s in args.sizes.split(",")] if args.sizes else default_sizes()
         repeats = args.repeats
         gil_size, launcher_seconds = min(max(sizes), GiB), args.launcher_seconds
-        launcher_repeats = max(3, repeats)
+        launcher_repeats = max(6, 2 * repeats)  # short runs, many pairs
     if args.gil_size:
         gil_size = parse_size(args.gil_size)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}

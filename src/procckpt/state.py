@@ -574,6 +574,10 @@ class Checkpointer:
                 if request.action == ctl.ACTION_STOP:
                     self._stop_reason = request.reason
                 self._request = request
+        if (self._dist is None and not epoch_end and self._request is None
+                and self._stop_reason is None and not self._best_pending
+                and not (self.interval and now - self._last_save >= self.interval)):
+            return  # the common case, every step: nothing to save (see _wanted)
         flags = self._wanted(now, epoch_end)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
