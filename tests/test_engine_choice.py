@@ -85,6 +85,7 @@ def test_module_and_inline_code_are_read(tmp_path, store):
     ["bash", "-lc", "set -e; OMP_NUM_THREADS=1 exec python3 train.py 2>&1 | tee log"],
     ["/bin/sh", "-ec", "echo start && srun --ntasks 2 python -m pkg.train # python other.py"],
     ["bash", "--norc", "-c", "cd sub && python 'my train.py'"],
+    ["bash", "-o", "pipefail", "-euc", "python train.py | tee log"],
 ])
 def test_a_shell_running_a_procckpt_script_inline_gets_hooks(tmp_path, store, command):
     for name in ("train.py", "pkg/train.py", "sub/my train.py"):

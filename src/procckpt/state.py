@@ -576,7 +576,7 @@ class Checkpointer:
                 self._request = request
         if (self._dist is None and not epoch_end and self._request is None
                 and self._stop_reason is None and not self._best_pending
-                and not (self.interval and now - self._last_save >= self.interval)):
+                and not self._interval_due(now)):
             return  # the common case, every step: nothing to save (see _wanted)
         flags = self._wanted(now, epoch_end)
         if self._dist is not None:
@@ -603,11 +603,14 @@ class Checkpointer:
         return dist_.Flags(
             stop=self._stop_reason is not None,
             checkpoint=self._request is not None,
-            interval=bool(self.interval and now - self._last_save >= self.interval),
+            interval=self._interval_due(now),
             best=self._best_pending,
             epoch=bool(epoch_end and self.save_every and self.epoch % self.save_every == 0),
             seq=self._request.seq if self._request is not None else 0,
         )
+
+    def _interval_due(self, now: float) -> bool:
+        return bool(self.interval and now - self._last_save >= self.interval)
 
     def _adopt(self, agreed: dist_.Flags) -> None:
         """Take on what other ranks asked for, so that this rank saves (and stops) with them."""

@@ -41,7 +41,8 @@ _IMPORT_RE = re.compile(r"^\s*(?:import\s+procckpt\b|from\s+procckpt(?:\.\w+)*\s
                         re.MULTILINE)
 _SCRIPT_LIMIT = 4 << 20
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
-#: What separates two simple commands in a shell string (after shlex has split it).
+#: Tokens of a shell string (as shlex splits it) after which another command starts, or the
+#: real program of this one (exec, time, env, nohup run the words that follow).
 _SHELL_SEPARATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "{", "}", "!", "then",
                                "do", "else", "elif", "exec", "time", "env", "nohup"})
 
@@ -143,15 +144,17 @@ def _shell_code(command: list[str]) -> str | None:
     """The command string of ``sh -c STRING ...`` (any of the usual shells), else None."""
     if not command or os.path.basename(command[0]) not in _SHELLS:
         return None
-    for i, arg in enumerate(command[1:-1], start=1):
-        if arg == "--":
-            return None
-        if not arg.startswith("-") or arg.startswith("--"):
-            if arg.startswith("--"):
-                continue  # bash --login, --norc ...
-            return None  # a script file: sh run.sh
-        if "c" in arg[1:]:  # -c, -lc, -ec, -xec ...
-            return command[i + 1]
+    i = 1
+    while i < len(command) - 1:
+        arg = command[i]
+        if arg == "--" or arg[:1] not in "-+":
+            return None  # the end of the options, or a script file: sh run.sh
+        if arg in ("-o", "+o", "-O", "+O"):
+            i += 2  # bash -o pipefail -c ...
+            continue
+        if arg[0] == "-" and not arg.startswith("--") and "c" in arg[1:]:
+            return command[i + 1]  # -c, -lc, -ec, -xec ...
+        i += 1  # --login, --norc, -e, +x ...
     return None
 
 
