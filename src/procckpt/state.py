@@ -574,18 +574,16 @@ class Checkpointer:
                 if request.action == ctl.ACTION_STOP:
                     self._stop_reason = request.reason
                 self._request = request
-        if (self._dist is None and not epoch_end and self._request is None
-                and self._stop_reason is None and not self._best_pending
-                and not self._interval_due(now)):
-            return  # the common case, every step: nothing to save (see _wanted)
         flags = self._wanted(now, epoch_end)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
-            agreed = self._dist.agree(self, flags, epoch_end)
+            agreed = self._dist.agree(self, flags or dist_.Flags(), epoch_end)
             if agreed is None:
                 return
             self._adopt(agreed)
             flags = agreed
+        if flags is None:
+            return  # the common case, every step: nothing to save
         reason = self._reason_for(flags)
         if reason is None:
             return
@@ -598,19 +596,19 @@ class Checkpointer:
         if self._stop_reason is not None:
             self._exit_after_stop()
 
-    def _wanted(self, now: float, epoch_end: bool) -> dist_.Flags:
-        """What this rank would save for at this safe point."""
+    def _wanted(self, now: float, epoch_end: bool) -> dist_.Flags | None:
+        """What this rank would save for at this safe point; None for nothing (and no object
+        built: this runs after every step)."""
+        stop = self._stop_reason is not None
+        checkpoint = self._request is not None
+        interval = bool(self.interval and now - self._last_save >= self.interval)
+        epoch = bool(epoch_end and self.save_every and self.epoch % self.save_every == 0)
+        if not (stop or checkpoint or interval or epoch or self._best_pending):
+            return None
         return dist_.Flags(
-            stop=self._stop_reason is not None,
-            checkpoint=self._request is not None,
-            interval=self._interval_due(now),
-            best=self._best_pending,
-            epoch=bool(epoch_end and self.save_every and self.epoch % self.save_every == 0),
-            seq=self._request.seq if self._request is not None else 0,
+            stop=stop, checkpoint=checkpoint, interval=interval, best=self._best_pending,
+            epoch=epoch, seq=self._request.seq if self._request is not None else 0,
         )
-
-    def _interval_due(self, now: float) -> bool:
-        return bool(self.interval and now - self._last_save >= self.interval)
 
     def _adopt(self, agreed: dist_.Flags) -> None:
         """Take on what other ranks asked for, so that this rank saves (and stops) with them."""
