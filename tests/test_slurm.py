@@ -142,6 +142,13 @@ def test_environment_of_plain_array_and_chain_jobs():
     assert task.chain_position == (3, 7) and task.end_time == 1800000060.0
 
 
+@pytest.mark.parametrize("bad", ["inf", "nan", "1", "soon"])
+def test_an_end_time_that_is_no_future_time_is_ignored_with_a_warning(bad: str, caplog):
+    job = slurm_env({"SLURM_JOB_ID": "42", "SLURM_JOB_END_TIME": bad})
+    assert job is not None and job.end_time is None
+    assert f"ignoring SLURM_JOB_END_TIME={bad!r}" in caplog.text
+
+
 # -- the deadline -----------------------------------------------------------------------------
 def test_deadline_is_the_jobs_end_time_and_is_read_again_now_and_then(caplog):
     fake, clock = FakeSlurm(record_line(end=NOW + 600, limit="00:10:00")), Clock()

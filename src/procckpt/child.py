@@ -1,4 +1,5 @@
-"""The supervised command: started in its own session, signalled as a process group."""
+"""The supervised command: started in its own session behind a keeper (keeper.py), signalled
+as a process group."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -23,6 +26,8 @@ logger = logging.getLogger(__name__)
 #: Walking the process table costs a few milliseconds; the idle launcher does it this seldom.
 _MEMBERS_EVERY = 5.0
 _PR_SET_PDEATHSIG = 1
+#: Started in front of the command; see keeper.py.
+_KEEPER = str(Path(__file__).with_name("keeper.py"))
 
 
 def _find_prctl() -> Callable[..., int] | None:
@@ -35,6 +40,14 @@ def _find_prctl() -> Callable[..., int] | None:
 
 
 _prctl = _find_prctl()
+
+
+def _die_with_parent() -> None:
+    """In a helper process the launcher starts (DMTCP's coordinator), before exec: if the
+    launcher is killed outright (SIGKILL, OOM killer), the helper is killed too. The command
+    itself has the keeper for this, which also reaches the processes it starts."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def exit_code_of(returncode: int) -> int:
@@ -54,6 +67,7 @@ class Child:
         self.env = dict(env)
         self._popen_factory = popen
         self._popen: subprocess.Popen[Any] | None = None
+        self._lifeline: int | None = None
         self._members: set[psutil.Process] = set()
         self._members_seen_at = float("-inf")
 
@@ -69,9 +83,19 @@ class Child:
             raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
         # A new session: the command and everything it starts form one process group that
         # can be signalled as a whole, and the terminal's Ctrl-C reaches only the launcher,
-        # which decides what to do with it.
-        self._popen = self._popen_factory(self.argv, env=self.env, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+        # which decides what to do with it. The keeper (keeper.py) leads that session and
+        # kills everything below it if this process dies: the read end of the lifeline is
+        # its only way to notice, since the write end lives here alone.
+        lifeline_r, self._lifeline = os.pipe()
+        try:
+            self._popen = self._popen_factory(
+                [sys.executable, "-I", "-S", _KEEPER, str(lifeline_r), "--", *self.argv],
+                env=self.env, start_new_session=True, pass_fds=(lifeline_r,))
+        except BaseException:
+            self._close_lifeline()
+            raise
+        finally:
+            os.close(lifeline_r)
 
     def poll(self) -> int | None:
         """The exit code once the command has exited (128+N if killed by signal N)."""
@@ -79,14 +103,25 @@ class Child:
         if time.monotonic() - self._members_seen_at >= _MEMBERS_EVERY:
             self._remember_members()
         rc = self._popen.poll()
-        return None if rc is None else exit_code_of(rc)
+        if rc is None:
+            return None
+        self._close_lifeline()
+        return exit_code_of(rc)
 
     def wait(self, timeout: float) -> int | None:
         assert self._popen is not None
         try:
-            return exit_code_of(self._popen.wait(timeout=max(0.0, timeout)))
+            rc = self._popen.wait(timeout=max(0.0, timeout))
         except subprocess.TimeoutExpired:
             return None
+        self._close_lifeline()
+        return exit_code_of(rc)
+
+    def _close_lifeline(self) -> None:
+        """Once the keeper exited (or never started), the pipe has no more use."""
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
 
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the command's whole process group."""
@@ -137,14 +172,6 @@ class Child:
             self._members.update(root.children(recursive=True))
         except psutil.Error:
             pass
-
-
-def _die_with_parent() -> None:
-    """In the new process, before exec: if the launcher is killed outright (SIGKILL, OOM
-    killer), the command is killed too. An orphaned training would go on writing into the
-    checkpoint dir with nobody holding its lock, next to the run that replaces it."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _alive(p: psutil.Process) -> bool:

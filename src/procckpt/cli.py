@@ -97,6 +97,8 @@ def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
 
     choice = choose_engine(config.engine, config.command, store)
     logger.info("engine: %s (%s)", choice.name, choice.reason)
+    if choice.warning is not None:
+        logger.warning("%s", choice.warning)
     if choice.name == "dmtcp":
         from .engines.dmtcp import DmtcpEngine
 

@@ -100,7 +100,7 @@ def _signal(v: Any) -> str:
 
 
 _CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "dir": lambda v: Path(os.path.expanduser(str(v))),
+    "dir": lambda v: _dir(v),
     "time_limit": _duration("time_limit"),
     "grace": _duration("grace"),
     "interval": _duration("interval"),
@@ -112,6 +112,12 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "term_timeout": _duration("term_timeout"),
     "checkpoint_signal": _signal,
 }
+
+
+def _dir(v: Any) -> Path:
+    if not isinstance(v, (str, os.PathLike)) or not str(v).strip():
+        raise UsageError(f"bad dir {v!r}: give a directory path")
+    return Path(os.path.expanduser(str(v)))
 
 
 def _env_name(option: str) -> str:
@@ -139,6 +145,9 @@ def _read_file(path: Path, explicit: bool) -> dict[str, Any]:
         if name not in _CONVERTERS:
             valid = ", ".join(sorted(k.replace("_", "-") for k in _CONVERTERS))
             raise UsageError(f"unknown option {key!r} in {path}; valid options: {valid}")
+        if value is None or isinstance(value, (list, dict)):
+            shown = "empty" if value is None else f"a {type(value).__name__}"
+            raise UsageError(f"{key} in {path} is {shown}: give it one value, or remove the line")
         out[name] = value
     return out
 
@@ -159,7 +168,17 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
     converted = {name: _CONVERTERS[name](value) for name, value in values.items()}
     config = RunConfig(command=list(command), **converted)
     _validate(config)
+    _check_training_environment(environ)
     return config
+
+
+def _check_training_environment(environ: Mapping[str, str]) -> None:
+    """Variables the training side reads: refused here, before anything starts, rather than
+    by the command after it has loaded its data."""
+    value = environ.get("PROCCKPT_ASYNC", "").strip().lower()
+    if value not in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise UsageError(f"bad PROCCKPT_ASYNC={value!r}: expected 1 (write checkpoints in the "
+                         "background) or 0 (write them synchronously)")
 
 
 def _validate(config: RunConfig) -> None:

@@ -9,7 +9,11 @@ __all__ = [
     "LockedError",
     "CheckpointCorruptError",
     "CommandNotFoundError",
+    "CheckpointReadError",
+    "StorageError",
+    "exiting",
     "EX_USAGE",
+    "EX_IOERR",
     "EX_SOFTWARE",
     "EX_TEMPFAIL",
     "EX_NOTFOUND",
@@ -20,7 +24,12 @@ __all__ = [
 #: a wrapper outside a container, a job-array chain or a Kubernetes Job retries on it.
 EX_USAGE = 2
 EX_SOFTWARE = 70
+#: The checkpoint dir's storage failed in a way that would fail again (no space, no
+#: permission, a read error): procckpt stops instead of restarting into the same failure.
+EX_IOERR = 74
 EX_TEMPFAIL = 75
+#: The command was stopped (its time limit, a stop signal) and nothing could be saved.
+EX_NOT_SAVED = 124
 EX_NOTFOUND = 127
 
 
@@ -45,7 +54,7 @@ class StoreError(ProcckptError):
 class LockedError(StoreError):
     """Another live process holds the checkpoint directory."""
 
-    exit_code = 1
+    exit_code = EX_USAGE
 
 
 class CheckpointCorruptError(ProcckptError):
@@ -58,3 +67,43 @@ class CommandNotFoundError(ProcckptError):
     """The command to supervise does not exist or is not executable."""
 
     exit_code = EX_NOTFOUND
+
+
+class CheckpointReadError(ProcckptError):
+    """A checkpoint could not be read (permission, I/O error, stale handle): the storage is at
+    fault, not the checkpoint, so it is neither renamed nor skipped."""
+
+    exit_code = EX_IOERR
+
+
+class StorageError(ProcckptError):
+    """A checkpoint could not be written for a reason that would repeat (no space left, no
+    permission, a read-only file system); the previous checkpoint is intact."""
+
+    exit_code = EX_IOERR
+
+
+_EXITING: dict[type, type] = {}
+
+
+def exiting(error: ProcckptError) -> ProcckptError:
+    """The same error, also a ``SystemExit`` with the error's exit code.
+
+    The training side runs inside the user's script, which has no ``main()`` of ours to turn
+    errors into exit codes. Raised through this, an error that nothing catches ends the
+    process with its exit code and no traceback (the caller logs its one line first), while
+    ``except ProcckptError`` (or the error's own type) still catches it.
+    """
+    if isinstance(error, SystemExit):
+        return error
+    cls = type(error)
+    both = _EXITING.get(cls)
+    if both is None:
+        both = type(cls.__name__, (cls, SystemExit), {"__module__": cls.__module__,
+                                                      "__qualname__": cls.__qualname__})
+        _EXITING[cls] = both
+    exit_error = both.__new__(both)
+    exit_error.args = error.args
+    exit_error.__dict__.update(error.__dict__)
+    exit_error.code = error.exit_code  # type: ignore[attr-defined]
+    return exit_error

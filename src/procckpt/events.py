@@ -7,6 +7,7 @@ Both the launcher and the training process append to it. Each line is written wi
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import time
@@ -16,6 +17,8 @@ from typing import Any
 
 __all__ = ["append_event", "read_events"]
 
+_unwritable: set[Path] = set()
+
 
 def append_event(path: Path, kind: str, **fields: Any) -> dict[str, Any]:
     """Append one event; a journal that cannot be written never stops a run."""
@@ -23,13 +26,19 @@ def append_event(path: Path, kind: str, **fields: Any) -> dict[str, Any]:
              "pid": os.getpid(), **fields}
     line = (json.dumps(event, default=str) + "\n").encode()
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # O_NOFOLLOW: a link planted in the dir must not have procckpt append to its target.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o644)
         try:
             os.write(fd, line)
         finally:
             os.close(fd)
-    except OSError:
-        pass
+    except OSError as e:
+        if path not in _unwritable:  # say it once per process, then keep quiet
+            _unwritable.add(path)
+            logging.getLogger(__name__).warning("cannot write the events journal %s (%s); "
+                                                "training goes on without it", path,
+                                                e.strerror or e)
     return event
 
 

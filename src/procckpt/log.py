@@ -15,12 +15,18 @@ def setup_logging(level: str | None = None) -> None:
     The level comes from ``level``, else ``$PROCCKPT_LOG_LEVEL``, else INFO.
     """
     root = logging.getLogger("procckpt")
-    wanted = (level or os.environ.get("PROCCKPT_LOG_LEVEL") or "INFO").upper()
+    # In a process group every rank would say the same: ranks other than 0 say only what
+    # goes wrong, unless a level is asked for.
+    quiet = os.environ.get("RANK", "0").strip() not in ("", "0")
+    wanted = (level or os.environ.get("PROCCKPT_LOG_LEVEL")
+              or ("WARNING" if quiet else "INFO")).upper()
     root.setLevel(getattr(logging, wanted, logging.INFO))
     if root.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
     prefix = "procckpt" if os.environ.get("PROCCKPT_TOKEN") is None else "procckpt[train]"
+    if quiet:
+        prefix = f"procckpt[rank {os.environ['RANK'].strip()}]"
     handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
     root.addHandler(handler)
     root.propagate = False

@@ -41,6 +41,7 @@ task resumes from the checkpoint. The last task stops with 75 if the training is
 from __future__ import annotations
 
 import enum
+import math
 import logging
 import os
 import re
@@ -157,11 +158,21 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv | None:
         return None
     end_time = None
     for name in (ENV_END_TIME, "SLURM_JOB_END_TIME"):
-        try:
-            end_time = float(environ.get(name, ""))
-            break
-        except ValueError:
+        text = environ.get(name, "").strip()
+        if not text:
             continue
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        # A time in the past (or not a time) would stop the command at once: no job runs
+        # past its end, so the value is wrong, and Slurm itself is asked instead.
+        if not math.isfinite(value) or value < time.time() - 60 or value > 1e11:
+            logger.warning("ignoring %s=%r: not a job end time (seconds since the epoch, in "
+                           "the future); asking Slurm for the end time instead", name, text)
+            continue
+        end_time = value
+        break
     try:
         restarts = int(environ.get("SLURM_RESTART_COUNT", "0") or 0)
     except ValueError:

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 
 from .checksum import crc32
-from .errors import ProcckptError
-from .store import CheckpointInfo, CheckpointStore, PendingCheckpoint
+from .errors import ProcckptError, UsageError
+from .store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
 
 __all__ = [
     "StreamingFileWriter",
@@ -97,9 +97,8 @@ def async_wanted(explicit: bool | None) -> bool:
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    logger.warning("ignoring %s=%r: expected 0 or 1; writing checkpoints in the background",
-                   ENV_ASYNC, value)
-    return True
+    raise UsageError(f"bad {ENV_ASYNC}={value!r}: expected 1 (write checkpoints in the "
+                     "background) or 0 (write them synchronously)")
 
 
 # -- writing a file --------------------------------------------------------------------------
@@ -129,6 +128,8 @@ class StreamingFileWriter:
         self.io_seconds = 0.0
         self._small = bytearray()
         self._writeback_from = 0
+        #: The OSError a write failed with, if one did.
+        self.error: OSError | None = None
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                                        0o644)
 
@@ -181,7 +182,11 @@ class StreamingFileWriter:
         rest = piece
         while rest:
             t0 = clock()
-            written = os.write(self._fd, rest)
+            try:
+                written = os.write(self._fd, rest)
+            except OSError as e:  # torch.save reports it as "unexpected pos": keep the cause
+                self.error = e
+                raise
             io += clock() - t0
             rest = rest[written:]
         self.nbytes += len(piece)
@@ -227,8 +232,10 @@ def save_payload(pending: PendingCheckpoint, name: str, payload: Any) -> Streami
         with _torch_zip_crc_off():
             torch.save(payload, writer)
         nbytes, crc = writer.finish()
-    except BaseException:
+    except BaseException as e:
         writer.abort()
+        if writer.error is not None and writer.error is not e:
+            raise writer.error from e
         raise
     pending.record_file(name, nbytes, crc)
     return writer
@@ -236,10 +243,36 @@ def save_payload(pending: PendingCheckpoint, name: str, payload: Any) -> Streami
 
 def write_checkpoint(store: CheckpointStore, meta: dict[str, Any], payload: Any,
                      name: str = "state.pt") -> CheckpointInfo:
-    """Write ``payload`` as a new checkpoint of ``store``; durable and in place on return."""
-    with store.begin(meta) as pending:
+    """Write ``payload`` as a new checkpoint of ``store``; durable and in place on return.
+
+    Raises:
+        StorageError: no space or no permission: a failure that trying again would repeat.
+    """
+    with lasting_errors_explained(store, payload), store.begin(meta) as pending:
         save_payload(pending, name, payload)
         return pending.commit()
+
+
+@contextlib.contextmanager
+def lasting_errors_explained(store: CheckpointStore, payload: Any) -> Iterator[None]:
+    """Turn a write that failed for lack of space or permission into its one-line
+    :class:`StorageError` (with the bytes needed and free); other failures pass unchanged."""
+    try:
+        yield
+    except OSError as e:
+        lasting = lasting_write_error(e, store.root, need=payload_bytes(payload))
+        if lasting is None:
+            raise
+        raise lasting from e
+
+
+def payload_bytes(payload: Any) -> int:
+    """About how many bytes ``payload`` takes in a file: the sum of its distinct storages."""
+    seen: dict[int, int] = {}
+    for t in _tensors(payload):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) + (64 << 10)
 
 
 def _tensors(obj: Any) -> Iterator[torch.Tensor]:
@@ -354,6 +387,8 @@ class MappedVerification:
         self.expected_crc = expected_crc
         self._payload = payload  # keeps the mapping alive while the thread reads it
         self._problem: str | None = None
+        #: Set when reading failed (EIO, a stale handle), as opposed to a wrong checksum.
+        self.read_error: OSError | None = None
         pointers = [t.untyped_storage().data_ptr() for t in _tensors(payload)
                     if t.untyped_storage().nbytes()]
         self._base = (_file_mapping(path, min(pointers), nbytes)
@@ -376,7 +411,8 @@ class MappedVerification:
                 crc, size = file_crc32(self.path)
             else:
                 crc, size = self._crc_of_mapping(self._base), self.nbytes
-        except Exception as e:  # an I/O error: the file is as unusable as a corrupt one
+        except OSError as e:  # the storage's fault, not the file's: the caller stops
+            self.read_error = e
             self._problem = f"{self.path.name} cannot be read ({e})"
             return
         if (crc, size) != (self.expected_crc, self.nbytes):
@@ -827,7 +863,8 @@ class BackgroundSaver:
         started = time.perf_counter()
         try:
             snapshot.wait_copied()
-            with self.store.begin(meta) as pending:
+            with lasting_errors_explained(self.store, snapshot.payload), \
+                    self.store.begin(meta) as pending:
                 writer = save_payload(pending, self.name, snapshot.payload)
                 info = pending.commit()
         except BaseException as e:  # raised again by the training thread's next wait()

@@ -36,13 +36,15 @@ import torch
 
 from . import control as ctl
 from . import distributed as dist_
-from .errors import EX_TEMPFAIL, CheckpointCorruptError, ProcckptError
+from .errors import (EX_TEMPFAIL, CheckpointCorruptError, CheckpointReadError, ProcckptError,
+                     StorageError, UsageError, exiting)
 from .events import append_event
 from .log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .snapshot import (BackgroundSaver, MappedVerification, NotSnapshottable, WriteResult,
                        async_wanted, detach_from_file, private_copy, write_checkpoint)
-from .store import CheckpointInfo, CheckpointStore, DirLock
+from .store import (CheckpointInfo, CheckpointStore, DirLock, lasting_write_error,
+                    read_with_retries)
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 
@@ -134,76 +136,91 @@ class Checkpointer:
         if metric_mode not in ("max", "min"):
             raise ValueError(f"metric_mode must be 'max' or 'min', not {metric_mode!r}")
 
-        token = os.environ.get(ctl.ENV_TOKEN)
-        if not token and os.environ.get(ctl.ENV_ENGINE) == "dmtcp":
-            # The launcher holds the dir's lock and images this whole process; checkpoints of
-            # our own would compete with its images.
-            raise ProcckptError(
-                "this script uses procckpt.Checkpointer, but procckpt run is checkpointing it "
-                "with DMTCP (--engine auto could not see the script, or --engine dmtcp was "
-                "given): run it with --engine hooks")
-        self.launched = bool(token)
-        self.dir = default_dir(dir).absolute()
-        self.store = CheckpointStore(self.dir, keep=keep)
-        self.restart = int(os.environ.get(ctl.ENV_RESTART, "0") or 0)
-        self.rank = _rank()
-        self.is_writer = self.rank == 0
-        self._dist = dist_.coordinator_for(sync_every, allow_reshard)
-        self.allow_reshard = allow_reshard
-        self._polls_control = dist_.polls_control(self.rank)
-        self.save_every = save_every if save_every is not None else (None if self.launched else 1)
-        self.interval = interval
-        self.metric_mode = metric_mode
-        self.save_best = save_best
-        self.extras: dict[str, Any] = {}
-        #: Position: ``epoch`` is the epoch in progress (or next to run), ``batch`` the number
-        #: of batches of it already trained on, ``step`` the batches (or epochs) done in all.
-        self.epoch = 0
-        self.batch = 0
-        self.step = 0
-        self.metric: float | None = None
-        self.best_metric: float | None = None
-        self.last_checkpoint: CheckpointInfo | None = None
-        #: Seconds the last resume took to verify, load and apply the checkpoint.
-        self.restore_seconds: float | None = None
-
-        self._lock: DirLock | None = None
-        self._control: ctl.ControlChannel | None = None
-        self._next_poll = 0.0
-        self._request: ctl.Request | None = None
-        self._stop_reason: str | None = None
-        self._best_pending = False
-        self._last_save = time.monotonic()
-        self._saved_at: tuple[int, int, int] | None = None
-        self._epoch_rng: dict[str, Any] | None = None
-        self._epoch_used_batches = False
-        self._loader_generators: list[torch.Generator] = []
-        self._resume_rng: dict[str, Any] | None = None
-        self._pending_skip: int | None = None
-        self._finished = False
-        self._in_epochs = False
-        self._background = (BackgroundSaver(self.store, PAYLOAD)
-                            if self.is_writer and self._dist is None and async_wanted(async_save)
-                            else None)
-
-        if self.is_writer:
-            self.store.open()
-        if not self.launched and self.is_writer:
-            # On its own the script owns the directory; under procckpt run the launcher does.
-            self._lock = self.store.lock(purpose="training script")
-            self.store.clean_temporaries()
-        if self.launched:
-            assert token is not None
-            self._control = ctl.ControlChannel(self.store.control_dir, token)
-        self._install_signal_handlers()
         try:
-            self.resumed_from = self._resume()
-        except BaseException:
-            self.close()  # a refused checkpoint must not leave the dir locked by a dead object
-            raise
-        if self._control is not None and self.is_writer:
-            self._control.say_hello(step=self.step, epoch=self.epoch,
-                                    resumed_from=self.resumed_from and self.resumed_from.name)
+            token = os.environ.get(ctl.ENV_TOKEN)
+            if not token and os.environ.get(ctl.ENV_ENGINE) == "dmtcp":
+                # The launcher holds the dir's lock and images this whole process; checkpoints of
+                # our own would compete with its images.
+                raise ProcckptError(
+                    "this script uses procckpt.Checkpointer, but procckpt run is checkpointing it "
+                    "with DMTCP (--engine auto could not see the script, or --engine dmtcp was "
+                    "given): run it with --engine hooks")
+            self.launched = bool(token)
+            self.dir = default_dir(dir).absolute()
+            self.store = CheckpointStore(self.dir, keep=keep)
+            self.restart = _env_count(ctl.ENV_RESTART)
+            self.rank = _rank()
+            self.is_writer = self.rank == 0
+            self._dist = dist_.coordinator_for(sync_every, allow_reshard)
+            self.allow_reshard = allow_reshard
+            self._polls_control = dist_.polls_control(self.rank)
+            self.save_every = (save_every if save_every is not None
+                               else (None if self.launched else 1))
+            self.interval = interval
+            self.metric_mode = metric_mode
+            self.save_best = save_best
+            self.extras: dict[str, Any] = {}
+            #: Position: ``epoch`` is the epoch in progress (or next to run), ``batch`` the number
+            #: of batches of it already trained on, ``step`` the batches (or epochs) done in all.
+            self.epoch = 0
+            self.batch = 0
+            self.step = 0
+            self.metric: float | None = None
+            self.best_metric: float | None = None
+            self.last_checkpoint: CheckpointInfo | None = None
+            #: Seconds the last resume took to verify, load and apply the checkpoint.
+            self.restore_seconds: float | None = None
+
+            self._lock: DirLock | None = None
+            self._control: ctl.ControlChannel | None = None
+            self._next_poll = 0.0
+            self._request: ctl.Request | None = None
+            self._stop_reason: str | None = None
+            self._best_pending = False
+            self._last_save = time.monotonic()
+            self._saved_at: tuple[int, int, int] | None = None
+            self._epoch_rng: dict[str, Any] | None = None
+            self._epoch_used_batches = False
+            self._loader_generators: list[torch.Generator] = []
+            self._resume_rng: dict[str, Any] | None = None
+            #: Saved states of the loader's generators, for the first batches() after a resume at
+            #: an epoch boundary.
+            self._boundary_generators: list[torch.Tensor] | None = None
+            self._pending_skip: int | None = None
+            self._finished = False
+            self._in_epochs = False
+            #: Inside the body of the batches() loop (between a yield and the next batch).
+            self._in_batch = False
+            #: Set when procckpt itself ends the process (a planned stop, a storage failure).
+            self._exiting = False
+            in_background = self.is_writer and self._dist is None and async_wanted(async_save)
+            self._background = BackgroundSaver(self.store, PAYLOAD) if in_background else None
+
+            if self.is_writer:
+                self.store.open()
+            if not self.launched and self.is_writer:
+                # On its own the script owns the directory; under procckpt run the launcher does.
+                self._lock = self.store.lock(purpose="training script")
+                self.store.clean_temporaries()
+            if self.launched:
+                assert token is not None
+                self._control = ctl.ControlChannel(self.store.control_dir, token)
+            self._install_signal_handlers()
+            try:
+                self.resumed_from = self._resume()
+            except BaseException:
+                self.close()  # a refused checkpoint must not leave the dir locked by a dead object
+                raise
+            if self._control is not None and self.is_writer:
+                try:
+                    self._control.say_hello(
+                        step=self.step, epoch=self.epoch,
+                        resumed_from=self.resumed_from and self.resumed_from.name)
+                except OSError as e:
+                    logger.warning("could not tell procckpt run that training started (%s: %s)",
+                                   self._control.dir, e.strerror or e)
+        except ProcckptError as e:
+            raise _one_line(e) from e.__cause__
 
     # -- public API ------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -226,13 +243,16 @@ class Checkpointer:
                     assert self._epoch_rng is not None
                     restore_rng(self._epoch_rng)
                 else:
-                    restore_rng(self._resume_rng)
-                    self._resume_rng = None
+                    self._restore_boundary_rng()
             else:
                 self._epoch_rng = capture_rng()
             first = False
             self._epoch_used_batches = False
-            yield self.epoch
+            try:
+                yield self.epoch
+            except GeneratorExit:
+                self._left_loop_early()
+                raise
             self.epoch += 1
             self.batch = 0
             self._epoch_rng = None
@@ -247,6 +267,13 @@ class Checkpointer:
 
         After each batch (when the loop body asks for the next one) is a safe point.
         """
+        if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0):
+            self._exiting = True
+            raise _one_line(UsageError(
+                "DataLoader(persistent_workers=True) keeps its workers and their random state "
+                "from one epoch to the next, where no checkpoint can reach them, so a resumed run "
+                "would differ from an uninterrupted one: pass persistent_workers=False (workers "
+                "then start each epoch from the checkpointed random state)"))
         generators = _loader_generators(loader)
         skip = self._pending_skip or 0
         self._pending_skip = None
@@ -254,6 +281,13 @@ class Checkpointer:
             assert self._epoch_rng is not None
             restore_generators(generators, self._epoch_rng.get("loader_generators", []))
         else:
+            if self._resume_rng is not None:  # batches() without epochs(), resumed at its start
+                self._restore_boundary_rng()
+            if self._boundary_generators is not None:
+                # Resumed at an epoch boundary: the loader's own generators continue from the
+                # saved state too, as they did in the uninterrupted run.
+                restore_generators(generators, self._boundary_generators)
+                self._boundary_generators = None
             if self._epoch_rng is None:  # batches() used without epochs()
                 self._epoch_rng = capture_rng()
             self._epoch_rng["loader_generators"] = generator_states(generators)
@@ -266,11 +300,12 @@ class Checkpointer:
                 try:
                     next(iterator)
                 except StopIteration:
-                    raise ProcckptError(
+                    self._exiting = True
+                    raise _one_line(ProcckptError(
                         f"the data loader ran out after {done} batches, but the checkpoint "
                         f"was taken after batch {skip} of this epoch: did the data set or "
                         "batch size change? Use a new checkpoint dir to start over."
-                    ) from None
+                    )) from None
             assert self._resume_rng is not None
             restore_rng(self._resume_rng)
             restore_generators(generators, self._resume_rng.get("loader_generators", []))
@@ -279,13 +314,41 @@ class Checkpointer:
                         "(%.1fs)", skip, self.epoch, time.monotonic() - started)
         self.batch = skip
         for item in iterator:
+            self._in_batch = True
             yield item
+            self._in_batch = False
             self.batch += 1
             self.step += 1
             self._safe_point()
         if not self._in_epochs:  # a single pass without epochs(): it is over
             self.batch = 0
             self._epoch_rng = None
+
+    def finish(self) -> None:
+        """End training here: save a final checkpoint and mark the run complete, so that a
+        rerun does not train again. For leaving the loops early::
+
+            for epoch in ckpt.epochs(100):
+                for batch in ckpt.batches(loader):
+                    ...
+                    if loss < target:
+                        ckpt.finish()   # the batch just trained counts
+                        break
+                if ckpt.finished:
+                    break
+
+        The loops call it themselves when they run to their end.
+        """
+        if self._in_batch:  # called from the loop body: the batch it trained on is done
+            self._in_batch = False
+            self.batch += 1
+            self.step += 1
+        self._finish()
+
+    @property
+    def finished(self) -> bool:
+        """Whether training ended: the loops ran to their end, or :meth:`finish` was called."""
+        return self._finished
 
     def report_metric(self, value: float) -> bool:
         """Record a validation metric; returns True if it is the best so far. With
@@ -309,7 +372,18 @@ class Checkpointer:
 
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
         """Save now. Call only between steps (on every rank in a process group); the loops
-        above do it for you."""
+        above do it for you.
+
+        Raises:
+            StorageError: no space or no permission in the checkpoint dir (logged in one line;
+                uncaught, it ends the process with exit code 74 and no traceback).
+        """
+        try:
+            return self._save(reason)
+        except ProcckptError as e:
+            raise _one_line(e) from e.__cause__
+
+    def _save(self, reason: str) -> CheckpointInfo | None:
         if self._dist is not None:
             return self._dist.save(self, reason)
         if not self.is_writer:
@@ -424,6 +498,25 @@ class Checkpointer:
                 self._lock = None
 
     # -- internals -------------------------------------------------------------------------
+    def _left_loop_early(self) -> None:
+        """The ``epochs()`` loop was closed before its end: a ``break``, an exception, or
+        our own stop. Only the first needs words: nothing marks the run complete."""
+        if self._finished or self._exiting:
+            return
+        logger.warning(
+            "the ckpt.epochs() loop was left before its end (epoch %d, step %d): no final "
+            "checkpoint was saved and the run is not marked complete, so running the script "
+            "again resumes from the last checkpoint; to end training early, call ckpt.finish() "
+            "before break", self.epoch, self.step)
+
+    def _restore_boundary_rng(self) -> None:
+        """Resume at the start of an epoch: every random stream continues from the checkpoint;
+        the loader's generators are restored once :meth:`batches` sees the loader."""
+        assert self._resume_rng is not None
+        restore_rng(self._resume_rng)
+        self._boundary_generators = list(self._resume_rng.get("loader_generators") or [])
+        self._resume_rng = None
+
     def _rng_now(self) -> dict[str, Any]:
         rng = capture_rng()
         rng["loader_generators"] = generator_states(self._loader_generators)
@@ -456,6 +549,9 @@ class Checkpointer:
             self._epoch_rng = payload["epoch_rng"]
             self._pending_skip = self.batch
         self._saved_at = (self.epoch, self.batch, self.step)
+        saved_restart = info.manifest.get("restart")
+        if isinstance(saved_restart, int):  # a rerun by hand is a restart too
+            self.restart = max(self.restart, saved_restart + 1)
         self.last_checkpoint = info
         self.restore_seconds = time.monotonic() - started
         if self.is_writer:
@@ -499,7 +595,10 @@ class Checkpointer:
         # the other files (if any) and all sizes are checked here.
         for info in self.store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
             try:
-                payload = self._read_payload(info, mmap=True)
+                payload = read_with_retries(
+                    info.file(PAYLOAD), lambda: self._read_payload(info, mmap=True))  # noqa: B023
+            except CheckpointReadError:
+                raise  # the storage failed, not the checkpoint: stop, rename nothing
             except Exception as e:  # UnpicklingError for a foreign pickle, and worse
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
@@ -516,6 +615,11 @@ class Checkpointer:
                 if check.result() is None:
                     raise  # a genuine mismatch between script and checkpoint
             problem = check.result()
+            if check.read_error is not None:
+                error = check.read_error
+                raise CheckpointReadError(
+                    f"cannot read {info.file(PAYLOAD)}: {error.strerror or error}; nothing was "
+                    "renamed or deleted: fix the file system and run again")
             if problem is not None:
                 del payload
                 self.store.quarantine(info.path, problem)
@@ -591,7 +695,14 @@ class Checkpointer:
         if (self._background is not None and self._stop_reason is None
                 and self._save_in_background(reason)):
             return  # acknowledged by the writer thread once durable
-        info = self.save(reason)
+        try:
+            info = self._save(reason)
+        except StorageError as e:
+            # Trying again would fail again: say so, stop, and let the launcher not restart.
+            self._answer(None, stopping=True, error=str(e))
+            self._exiting = True
+            self.close()
+            raise _one_line(e) from e.__cause__
         self._answer(info, stopping=self._stop_reason is not None)
         if self._stop_reason is not None:
             self._exit_after_stop()
@@ -638,14 +749,22 @@ class Checkpointer:
         if self._control is None or not self.is_writer:
             return
         seq = request.seq if request is not None and request.token else 0
-        self._control.acknowledge(ctl.Ack(
-            token=self._control.token, seq=seq, checkpoint=info.name if info else None,
-            step=step, stopping=stopping, error=error, time=time.time()))
+        try:
+            self._control.acknowledge(ctl.Ack(
+                token=self._control.token, seq=seq, checkpoint=info.name if info else None,
+                step=step, stopping=stopping, error=error, time=time.time()))
+        except OSError as e:  # a full disk: the launcher learns it from the exit instead
+            logger.warning("could not answer procckpt run in %s: %s", self._control.dir,
+                           e.strerror or e)
 
     def _exit_after_stop(self) -> None:
-        code = int(os.environ.get(ctl.ENV_STOP_EXIT, EX_TEMPFAIL))
+        # procckpt run asks for 0: it knows from the ack that this was a planned stop, and a
+        # non-zero exit would make torchrun print a failure report for every rank.
+        code = (_env_count(ctl.ENV_STOP_EXIT) if os.environ.get(ctl.ENV_STOP_EXIT)
+                else EX_TEMPFAIL)
         logger.info("stopping after checkpoint at step %d (%s); run again to resume",
                     self.step, self._stop_reason)
+        self._exiting = True
         self.close()
         raise SystemExit(code)
 
@@ -700,6 +819,29 @@ def _loader_generators(loader: object) -> list[torch.Generator]:
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
             found.append(gen)
     return found
+
+
+def _one_line(error: ProcckptError) -> ProcckptError:
+    """Log ``error`` as the one line a user reads, and make it end the process with its exit
+    code (no traceback) unless the script catches it."""
+    logger.error("error: %s", error)
+    return exiting(error)
+
+
+def _env_count(name: str) -> int:
+    """A count the launcher passes in the environment; 0, with a warning, if it is not one."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        logger.warning("ignoring %s=%r: expected a whole number (it is set by procckpt run)",
+                       name, text)
+        return 0
+    return value
 
 
 def _rank() -> int:

@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from .durations import format_duration
-from .errors import StoreError
+from .errors import CheckpointReadError, StoreError
 from .events import read_events
 from .store import MARKER, CheckpointStore
 
@@ -33,11 +33,17 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         lines.append("state:          not running" + ("" if lock.exists() else " (never run)"))
     rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
     for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
-        manifest = store._read_manifest(path) or {}
+        try:
+            manifest = store._read_manifest(path, retry=False) or {}
+        except CheckpointReadError:
+            manifest = {}
         if path.name.endswith(".corrupt"):
             valid = "corrupt"
         elif verify:
-            problem = store.verify(path)
+            try:
+                problem = store.verify(path)
+            except CheckpointReadError as e:
+                problem = f"unreadable ({e.__cause__ or e})"
             valid = "yes" if problem is None else f"NO: {problem}"
         else:
             valid = "?"

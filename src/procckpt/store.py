@@ -31,6 +31,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,7 +40,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from .checksum import crc32 as checksum_crc32
-from .errors import CheckpointCorruptError, LockedError, StoreError
+from .errors import (CheckpointCorruptError, CheckpointReadError, LockedError, StorageError,
+                     StoreError)
 
 __all__ = [
     "CheckpointInfo",
@@ -48,6 +50,9 @@ __all__ = [
     "DirLock",
     "FORMAT_VERSION",
     "MANIFEST",
+    "read_with_retries",
+    "read_small_file",
+    "lasting_write_error",
 ]
 
 logger = logging.getLogger(__name__)
@@ -58,6 +63,20 @@ MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 _CHUNK = 8 << 20
+#: Files procckpt writes are opened with these: a symbolic link planted inside the checkpoint
+#: dir (``lock -> /etc/passwd``) is refused instead of followed.
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Small files procckpt reads (manifests, markers, control files) are at most this large.
+_SMALL_FILE_LIMIT = 16 << 20
+#: Errors that mean the file is missing or is not a plain file (a link, a device), i.e. the
+#: checkpoint is damaged; every other OSError on a read is the storage's fault.
+_DAMAGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+#: Tries, and the pause before each retry, of a read that failed with an I/O error.
+_READ_RETRY_PAUSES = (0.2, 0.5, 1.0)
+#: Write errors that will happen again on the next try: no restart can get past them.
+_LASTING_WRITE_ERRORS = {errno.ENOSPC: "no space", errno.EDQUOT: "no space",
+                         errno.EACCES: "permission", errno.EPERM: "permission",
+                         errno.EROFS: "read-only"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,84 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def plain_name(name: object) -> bool:
+    """Whether ``name`` names a file directly inside a directory: no separator, not ``..``."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\0" not in name)
+
+
+def read_small_file(path: Path, limit: int = _SMALL_FILE_LIMIT) -> bytes:
+    """The content of the regular file ``path`` (a link, a device or a FIFO is refused with
+    ``OSError``); at most ``limit`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.ELOOP, "not a regular file", str(path))
+        chunks = []
+        left = limit
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def open_new_file(path: Path, mode: str = "wb") -> IO[Any]:
+    """Create ``path``, which must not exist (not even as a link), and open it for writing."""
+    return os.fdopen(os.open(path, _NEW_FILE, 0o644), mode)
+
+
+def lasting_write_error(error: BaseException, root: Path, need: int | None = None,
+                        ) -> StorageError | None:
+    """The one-line error for a write into ``root`` that failed in a way that would fail
+    again (no space, no permission, read-only); None for any other failure."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    if cause is None or cause.errno not in _LASTING_WRITE_ERRORS:
+        return None
+    kind = _LASTING_WRITE_ERRORS[cause.errno]
+    if kind == "no space":
+        try:
+            st = os.statvfs(root)
+            free = f"{st.f_bavail * st.f_frsize:,} free"
+        except OSError:
+            free = "free space unknown"
+        needed = f"need {need:,} bytes" if need is not None else "a checkpoint needs more"
+        return StorageError(f"no space left in {root}: {needed}, {free}; make room (or lower "
+                            "--keep) and run again: the previous checkpoint is intact")
+    return StorageError(f"cannot write checkpoints in {root}: {cause.strerror}; fix its "
+                        "permissions or choose another --dir: the previous checkpoint is intact")
+
+
+def read_with_retries(path: Path, read: Any) -> Any:
+    """``read()``, tried again after a pause if it fails with an I/O error (a stale NFS
+    handle, a flaky mount); a file that is missing is not retried.
+
+    Raises:
+        OSError: the file is missing or not a regular file (damage, not the storage's fault).
+        CheckpointReadError: it could not be read after the retries.
+    """
+    for pause in (*_READ_RETRY_PAUSES, None):
+        try:
+            return read()
+        except OSError as e:
+            if e.errno in _DAMAGED:
+                raise
+            if pause is None:
+                raise CheckpointReadError(
+                    f"cannot read {path}: {e.strerror or e} (errno {e.errno}); nothing was "
+                    "renamed or deleted: fix the file system or permissions and run again"
+                ) from e
+            logger.warning("reading %s failed (%s); trying again", path, e.strerror or e)
+            time.sleep(pause)
+    raise AssertionError("unreachable")
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix.
 
@@ -114,7 +211,7 @@ def write_file_atomic(path: Path, data: bytes) -> None:
     """
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with open_new_file(tmp) as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -157,7 +254,8 @@ def file_crc32(path: Path) -> tuple[int, int]:
     size = 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb",
+                   buffering=0) as f:
         fd = f.fileno()
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -201,7 +299,7 @@ class PendingCheckpoint:
     def open(self, name: str) -> Iterator[ChecksumWriter]:
         """Open payload file ``name`` for writing; its size and CRC go into the manifest."""
         _check_name(name)
-        with open(self.tmp / name, "wb") as raw:
+        with open_new_file(self.tmp / name) as raw:
             writer = ChecksumWriter(raw)
             yield writer
             raw.flush()
@@ -237,7 +335,7 @@ class PendingCheckpoint:
             "bytes": sum(f["bytes"] for f in self.files.values()),
             **self.meta,
         }
-        with open(self.tmp / MANIFEST, "w") as f:
+        with open_new_file(self.tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
@@ -258,7 +356,7 @@ class PendingCheckpoint:
 
 
 def _check_name(name: str) -> None:
-    if "/" in name or name in (MANIFEST, "", ".", "..") or name.startswith(".tmp-"):
+    if not plain_name(name) or name == MANIFEST or name.startswith(".tmp-"):
         raise StoreError(f"bad payload file name {name!r}")
 
 
@@ -271,7 +369,17 @@ class DirLock:
     _fd: int | None = field(default=None, repr=False)
 
     def acquire(self, purpose: str = "run") -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreError(f"{self.path} is a symbolic link, and procckpt follows no links "
+                                 "inside its checkpoint dir: remove it and run again") from e
+            raise StoreError(f"cannot open {self.path}: {e.strerror}; fix the checkpoint dir's "
+                             "permissions or choose another --dir") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"{self.path} is not a regular file: remove it and run again")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -288,17 +396,22 @@ class DirLock:
                 f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
                 "or use another --dir"
             ) from e
-        os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
                 "purpose": purpose}
-        os.write(fd, json.dumps(info).encode())
+        try:  # who holds it, for messages; the flock alone is the lock (a full disk keeps it)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(info).encode())
+        except OSError as e:
+            logger.warning("could not note this process in %s (%s); the lock holds anyway",
+                           self.path, e.strerror)
         self._fd = fd
 
     def holder(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.path.read_text() or "null")
+            holder = json.loads(read_small_file(self.path) or b"null")
         except (OSError, ValueError):
             return None
+        return holder if isinstance(holder, dict) else None
 
     def release(self) -> None:
         if self._fd is not None:
@@ -311,6 +424,47 @@ class DirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What is wrong with the shape of a parsed manifest, or None: every field procckpt reads
+    must have the type it expects, and every file must be a plain name in the checkpoint."""
+    if not isinstance(manifest, dict):
+        return "not an object"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        return "no files"
+    for name, entry in files.items():
+        if not plain_name(name) or name == MANIFEST:
+            return f"file name {name!r} is not a plain name inside the checkpoint"
+        if not isinstance(entry, dict) or not all(
+                isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
+                and entry.get(k) >= 0 for k in ("bytes", "crc32")):
+            return f"entry of {name!r} has no whole-number bytes and crc32"
+    for key in ("step", "epoch", "batch", "seq", "world_size"):
+        value = manifest.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            return f"{key} is {value!r}, not a whole number"
+    dmtcp = manifest.get("dmtcp")
+    if dmtcp is not None:
+        images = dmtcp.get("images") if isinstance(dmtcp, dict) else None
+        if not isinstance(images, list) or not all(n in files for n in images):
+            return "its DMTCP images are not files of the checkpoint"
+    for key in ("time", "metric", "write_seconds"):
+        value = manifest.get(key)
+        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            return f"{key} is {value!r}, not a number"
+    return None
+
+
+def _read_or_raise(path: Path) -> bytes:
+    """:func:`read_small_file`, with a read error (not a missing file) as CheckpointReadError."""
+    try:
+        return read_small_file(path)
+    except OSError as e:
+        if e.errno in _DAMAGED:
+            raise
+        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
 
 
 class CheckpointStore:
@@ -333,6 +487,13 @@ class CheckpointStore:
         Raises:
             StoreError: the directory is unwritable, is a file, or holds someone else's files.
         """
+        try:
+            return self._open(create)
+        except OSError as e:
+            raise StoreError(f"cannot use checkpoint dir {self.root}: {e.strerror or e}; fix its "
+                             "permissions or choose another with --dir") from e
+
+    def _open(self, create: bool) -> CheckpointStore:
         root = self.root
         if root.exists() and not root.is_dir():
             raise StoreError(f"checkpoint dir {root} is a file; pass a directory with --dir")
@@ -372,8 +533,13 @@ class CheckpointStore:
     @staticmethod
     def _check_marker(marker: Path) -> None:
         try:
-            fmt = json.loads(marker.read_text()).get("format")
-        except (OSError, ValueError, AttributeError) as e:
+            text = read_small_file(marker)
+        except OSError as e:
+            raise StoreError(f"cannot read {marker}: {e.strerror}; fix the checkpoint dir's "
+                             "permissions or choose another --dir") from e
+        try:
+            fmt = json.loads(text).get("format")
+        except (ValueError, AttributeError) as e:
             raise StoreError(f"{marker} is damaged; pick a new directory") from e
         if fmt != FORMAT_VERSION:
             raise StoreError(
@@ -453,21 +619,33 @@ class CheckpointStore:
         return int(path.name.split(".")[0].split("-")[1])
 
     def checkpoints(self) -> list[CheckpointInfo]:
-        """Committed checkpoints whose manifest parses, newest first (contents not verified)."""
+        """Committed checkpoints whose manifest parses, newest first (contents not verified);
+        one whose manifest cannot be read right now is left out."""
         infos = []
         for p in self._ckpt_dirs():
-            manifest = self._read_manifest(p)
+            try:
+                manifest = self._read_manifest(p, retry=False)
+            except CheckpointReadError:
+                continue
             if manifest is not None:
                 infos.append(CheckpointInfo(p, self._seq_of(p), manifest))
         return infos
 
     @staticmethod
-    def _read_manifest(path: Path) -> dict[str, Any] | None:
+    def _read_manifest(path: Path, retry: bool = True) -> dict[str, Any] | None:
+        """The manifest of the checkpoint at ``path``; None if it is missing or malformed.
+
+        Raises:
+            CheckpointReadError: it exists but cannot be read (permissions, I/O).
+        """
+        target = path / MANIFEST
         try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except (OSError, ValueError):
+            text = (read_with_retries(target, lambda: read_small_file(target)) if retry
+                    else _read_or_raise(target))
+            manifest = json.loads(text)
+        except (OSError, ValueError, UnicodeDecodeError):  # missing, a link, not JSON
             return None
-        return manifest if isinstance(manifest, dict) and "files" in manifest else None
+        return manifest if manifest_problem(manifest) is None else None
 
     def verify(self, path: Path, *, skip_crc: frozenset[str] = frozenset()) -> str | None:
         """Return why the checkpoint at ``path`` cannot be used, or None if it is intact.
@@ -475,22 +653,36 @@ class CheckpointStore:
         ``skip_crc`` names files whose checksum the caller verifies itself (an engine that
         checksums a file while mapping it in); their presence and size are still checked.
         """
-        manifest = self._read_manifest(path)
-        if manifest is None:
-            return "its manifest is missing or unreadable"
+        target = path / MANIFEST
+        try:
+            manifest = json.loads(read_with_retries(target, lambda: read_small_file(target)))
+        except FileNotFoundError:
+            return "its manifest is missing"
+        except OSError as e:
+            return f"its manifest is not a regular file ({e.strerror})"
+        except (ValueError, UnicodeDecodeError):
+            return "its manifest is not valid JSON"
+        problem = manifest_problem(manifest)
+        if problem is not None:
+            return f"its manifest is malformed ({problem})"
         if manifest.get("format") != FORMAT_VERSION:
             return f"it has format {manifest.get('format')}, expected {FORMAT_VERSION}"
         for name, expect in manifest["files"].items():
             target = path / name
             try:
-                size = target.stat().st_size
-            except OSError:
+                st = read_with_retries(target, lambda: os.lstat(target))  # noqa: B023
+            except FileNotFoundError:
                 return f"{name} is missing"
-            if size != expect["bytes"]:
-                return f"{name} has {size} bytes, the manifest says {expect['bytes']}"
+            if not stat.S_ISREG(st.st_mode):
+                return f"{name} is not a regular file"
+            if st.st_size != expect["bytes"]:
+                return f"{name} has {st.st_size} bytes, the manifest says {expect['bytes']}"
             if name in skip_crc:
                 continue
-            crc, _ = file_crc32(target)
+            try:
+                crc, _ = read_with_retries(target, lambda: file_crc32(target))  # noqa: B023
+            except OSError:
+                return f"{name} is missing or was replaced while being read"
             if crc != expect["crc32"]:
                 return f"{name} fails its checksum (the file is corrupt)"
         return None
@@ -545,12 +737,19 @@ class CheckpointStore:
 
     # -- completion -------------------------------------------------------------------------
     def is_complete(self) -> dict[str, Any] | None:
+        """What the finished run noted in ``COMPLETE``; None while training is not done."""
         try:
-            return json.loads(self.complete_path.read_text())
+            record = json.loads(read_small_file(self.complete_path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
-            return {"time": self.complete_path.stat().st_mtime}
+            record = None
+        if isinstance(record, dict):
+            return record
+        try:
+            return {"time": os.lstat(self.complete_path).st_mtime}
+        except OSError:
+            return {"time": time.time()}
 
     def mark_complete(self, **fields: Any) -> None:
         write_file_atomic(self.complete_path,

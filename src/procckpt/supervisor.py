@@ -37,8 +37,8 @@ from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
 from .durations import format_duration
-from .engines import Confirmation, Engine
-from .errors import EX_TEMPFAIL
+from .engines import Confirmation, Engine, RequestUndelivered
+from .errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from .events import append_event
 from .requeue import Decision, RestartPolicy, StopCause
 from .store import CheckpointStore
@@ -84,7 +84,8 @@ class ExitReason(enum.Enum):
     REQUEUED = "requeued"  # the scheduler will start it again (exit 0)
     BUDGET_EXHAUSTED = "budget-exhausted"
     NO_PROGRESS = "no-progress"
-    NOT_CHECKPOINTABLE = "not-checkpointable"
+    NOT_CHECKPOINTABLE = "not-checkpointable"  # stopped, nothing could be saved (exit 124)
+    STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error (exit 74)
     FAILED = "failed"
     INTERRUPTED = "interrupted"
 
@@ -160,6 +161,12 @@ class Supervisor:
                 append_event(self.store.events_path, "fallback", message=outcome.retry,
                              cycle=self.cycles)
                 continue
+            if outcome.exit_code == EX_IOERR and not outcome.finished:
+                return self._exit(EX_IOERR, ExitReason.STORAGE_FAILED,
+                                  f"the training could not read or write its checkpoints in "
+                                  f"{self.store.root} (its error is above); that would fail "
+                                  "again, so it is not restarted: fix the storage, then run the "
+                                  "same command again to resume", error=True)
             if outcome.finished:
                 # A run that marked itself complete and was then stopped by us (the deadline
                 # came while it was exiting: torchrun and its workers take seconds) finished.
@@ -177,15 +184,16 @@ class Supervisor:
             # A command that has checkpointed before and merely started too slowly this time
             # (torchrun and its workers under load) makes no progress; it is not unable to.
             if outcome.confirmed is None and not outcome.connected and last_step is None:
-                return self._exit(EX_TEMPFAIL, ExitReason.NOT_CHECKPOINTABLE,
+                return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
                                   f"the command was stopped ({_cause_text(outcome)}) but it "
-                                  "never connected to procckpt, so nothing was saved: use "
-                                  "procckpt.Checkpointer in the script, or --engine dmtcp")
+                                  "never connected to procckpt, so nothing was saved and a "
+                                  "rerun starts from the beginning: use procckpt.Checkpointer "
+                                  "in the script, or --engine dmtcp", error=True)
             step = outcome.confirmed.step if outcome.confirmed else None
             if step is None or (last_step is not None and step <= last_step):
                 stalled += 1
-                logger.warning("cycle %d ended without a new checkpoint (last step %s); the "
-                               "next cycle resumes from the previous one", self.cycles, last_step)
+                logger.warning("cycle %d ended without a new checkpoint; the next cycle %s",
+                               self.cycles, self._resumes_from())
             else:
                 stalled = 0
                 last_step = step
@@ -217,17 +225,37 @@ class Supervisor:
                               f"the command exited with {code} after "
                               f"{', '.join(outcome.forwarded)}")
         if code == 0:
+            if not outcome.connected:
+                return self._exit(0, ExitReason.FINISHED, "the command exited 0")
             return self._exit(0, ExitReason.FINISHED,
-                              "the command exited 0 (it did not mark the training complete)")
+                              "the command exited 0 before the end of its ckpt.epochs() loop "
+                              "(a break?), so the run is not marked complete and running it "
+                              f"again {self._resumes_from(verb='resumes')}; to end training "
+                              "early, call ckpt.finish() before break")
+        ended = _ending(code)
         if self.config.restart_on_failure and restarts < self.config.max_restarts:
-            logger.warning("the command failed with exit code %d; restarting from the last "
-                           "checkpoint (--restart-on-failure)", code)
+            logger.warning("the command %s; restarting (--restart-on-failure): the next cycle "
+                           "%s", ended, self._resumes_from())
             append_event(self.store.events_path, "restart", restart=restarts + 1,
                          cause="failure", exit_code=code)
             return None
-        hint = "" if self.config.restart_on_failure else " (not restarted: see --restart-on-failure)"
-        return self._exit(code, ExitReason.FAILED, f"the command failed with exit code {code}{hint}",
-                          error=True)
+        hint = ("" if self.config.restart_on_failure
+                else ", not restarted (see --restart-on-failure)")
+        return self._exit(code, ExitReason.FAILED,
+                          f"the command {ended}{hint}; running the same command again "
+                          f"{self._resumes_from(verb='resumes')}", error=True)
+
+    def _resumes_from(self, verb: str = "resumes") -> str:
+        """Where the next start of the command begins, in words: 'resumes from ckpt-N
+        (step S)' or 'starts from the beginning (no checkpoint yet)'."""
+        try:
+            infos = self.store.checkpoints()
+        except OSError:
+            infos = []
+        if not infos:
+            return "starts from the beginning (no checkpoint yet)"
+        step = f" (step {infos[0].step})" if infos[0].step is not None else ""
+        return f"{verb} from {infos[0].name}{step}"
 
     def _exit(self, code: int, reason: ExitReason, message: str, error: bool = False,
               ) -> RunResult:
@@ -316,10 +344,10 @@ class Supervisor:
                             outcome.forwarded.append(name)
                 elif action is Action.CHECKPOINT_STOP and stop_seq is None:
                     outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
-                    stop_seq, give_up_at = self._begin_stop(name, now)
+                    stop_seq, give_up_at = self._begin_stop(name, now, child)
                     outcome.stop_started = now
                 elif action is Action.CHECKPOINT and stop_seq is None:
-                    self._trigger("checkpoint", name)
+                    self._trigger("checkpoint", name, child)
             if self._reap_orphans:
                 pid1.reap_orphans({child.pid})
             rc = child.poll()
@@ -330,12 +358,12 @@ class Supervisor:
             now = self._clock()
             if stop_seq is None and trigger_at is not None and now >= trigger_at:
                 outcome.stop_cause = StopCause.DEADLINE
-                stop_seq, give_up_at = self._begin_stop("deadline", now)
+                stop_seq, give_up_at = self._begin_stop("deadline", now, child)
                 outcome.stop_started = now
             if next_interval is not None and now >= next_interval:
                 next_interval = now + interval  # type: ignore[operator]
                 if stop_seq is None:
-                    self._trigger("checkpoint", "interval")
+                    self._trigger("checkpoint", "interval", child)
             if stop_seq is None:
                 continue
             if outcome.confirmed is None:
@@ -345,9 +373,11 @@ class Supervisor:
                     exit_by = now + EXIT_AFTER_CONFIRM
                     self._log_confirmed(outcome.confirmed, now - (give_up_at - self._grace()))
                 elif now >= give_up_at:
-                    logger.warning("no checkpoint confirmed within the %s grace; stopping the "
-                                   "command, the previous checkpoint stays the one to resume",
-                                   format_duration(self._grace()))
+                    connected = outcome.connected or self.engine.connected()
+                    logger.warning("no checkpoint confirmed within the %s grace%s; stopping the "
+                                   "command", format_duration(self._grace()),
+                                   "" if connected else " (the command never connected to "
+                                   "procckpt)")
                     append_event(self.store.events_path, "unconfirmed", cycle=self.cycles)
                     outcome.exit_code = self._stop_child(child)
                     break
@@ -356,16 +386,24 @@ class Supervisor:
                 break
         return outcome
 
-    def _begin_stop(self, reason: str, now: float) -> tuple[int, float]:
-        seq = self._trigger("stop", reason)
+    def _begin_stop(self, reason: str, now: float, child: Child) -> tuple[int, float]:
+        seq = self._trigger("stop", reason, child)
         return seq, now + self._grace()
 
-    def _trigger(self, action: str, reason: str) -> int:
+    def _trigger(self, action: str, reason: str, child: Child) -> int:
         logger.info("asking for a checkpoint%s (%s)", " then stop" if action == "stop" else "",
                     reason)
         append_event(self.store.events_path, "trigger", action=action, reason=reason,
                      cycle=self.cycles)
-        return self.engine.request(action, reason)
+        try:
+            return self.engine.request(action, reason)
+        except RequestUndelivered as e:
+            # The launcher goes on supervising: a stop is then asked for the way a scheduler
+            # would, with SIGTERM, which the Checkpointer also takes as "checkpoint, then stop".
+            logger.warning("%s%s", e, "; sending SIGTERM instead" if action == "stop" else "")
+            if action == "stop":
+                child.signal(signal.SIGTERM)
+            return e.seq
 
     def _log_confirmed(self, c: Confirmation, waited: float) -> None:
         if c.checkpoint is None:
@@ -416,6 +454,17 @@ class Supervisor:
 
 def _record_only(signum: int, frame: object) -> None:
     pass
+
+
+def _ending(code: int) -> str:
+    """How the command ended, in words: 'was killed by signal 9 (SIGKILL)' or 'failed with
+    exit code 3'."""
+    if code > 128:
+        try:
+            return f"was killed by signal {code - 128} ({signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"failed with exit code {code}"
 
 
 def _cause_text(outcome: CycleOutcome) -> str:

@@ -10,6 +10,8 @@ import subprocess
 import zlib
 from pathlib import Path
 
+import psutil
+
 from procckpt.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
@@ -59,7 +61,12 @@ def test_command_runs_in_its_own_session_and_gets_sigint_forwarded(workdir: Path
               "time.sleep(60)\n")
     proc = start(["--", PYTHON, "-c", script], workdir)
     sid, pid = map(int, wait_for_line(proc, "sid").split()[1:])
-    assert sid == pid != os.getsid(proc.pid), "the command is not in a session of its own"
+    # The session is the command's own, led by procckpt's keeper (its parent; keeper.py),
+    # not the launcher's.
+    assert sid != os.getsid(proc.pid), "the command is not in a session of its own"
+    leader = psutil.Process(sid)
+    assert leader.ppid() == proc.pid
+    assert any(arg.endswith("keeper.py") for arg in leader.cmdline()), leader.cmdline()
     proc.send_signal(signal.SIGINT)
     assert wait_for_line(proc, "got").strip() == "got SIGINT"
     assert proc.wait(timeout=30) == 130
@@ -136,7 +143,7 @@ def test_restart_count_reaches_the_command(workdir: Path):
 def test_command_without_checkpointer_is_stopped_with_an_explanation(workdir: Path):
     result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "4s", "--grace", "2s",
                   "--engine", "hooks", "--", "sleep", "30"], cwd=workdir, timeout=60)
-    assert result.returncode == 75
+    assert result.returncode == 124  # stopped, nothing saved (75 would mean "checkpointed")
     assert "never connected to procckpt" in result.stderr
 
 

@@ -30,6 +30,21 @@ pytestmark = pytest.mark.skipif(
     reason="a new PID namespace needs root and util-linux's unshare")
 
 
+def _sleeps(init: psutil.Process) -> list[psutil.Process]:
+    found = []
+    try:
+        below = init.children(recursive=True)
+    except psutil.Error:  # one of them exited while the tree was walked
+        return found
+    for child in below:
+        try:
+            if child.name() == "sleep":
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
+
+
 def ns_pids(pid: int) -> list[int]:
     """The process's pid in each PID namespace it belongs to, outermost first."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -66,10 +81,9 @@ def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
     try:
         init = wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the namespace")[0]
         assert ns_pids(init.pid)[-1] == 1, "procckpt is not PID 1 of the new namespace"
-        # The two subshells run one after the other: wait until both orphans are there.
-        orphans = wait_until(
-            lambda: [c for c in init.children() if c.name() == "sleep"][1:] and
-            [c for c in init.children() if c.name() == "sleep"], 30, "the two orphans")
+        # The two subshells run one after the other: wait until both orphans are there. They
+        # are re-parented to the command's keeper (a subreaper below PID 1, see keeper.py).
+        orphans = wait_until(lambda: _sleeps(init)[1:] and _sleeps(init), 30, "the two orphans")
         assert len(orphans) == 2
         wait_until(lambda: list((ckpt / "control").glob("hello-*.json")), 60, "training")
 

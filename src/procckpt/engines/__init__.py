@@ -17,7 +17,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["Engine", "Confirmation"]
+__all__ = ["Engine", "Confirmation", "RequestUndelivered"]
+
+
+class RequestUndelivered(Exception):
+    """A checkpoint request could not be passed on (the control file could not be written);
+    ``seq`` is the number it would have had."""
+
+    def __init__(self, seq: int, message: str) -> None:
+        super().__init__(message)
+        self.seq = seq
 
 
 @dataclass(frozen=True)

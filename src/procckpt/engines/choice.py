@@ -52,6 +52,8 @@ class EngineChoice:
     name: str  # "hooks" or "dmtcp"
     reason: str
     tools: DmtcpTools | None = None
+    #: Said at the start when the command, as far as can be seen, cannot be checkpointed.
+    warning: str | None = None
 
 
 def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
@@ -91,22 +93,35 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
         return EngineChoice("dmtcp", "the checkpoint dir holds DMTCP images", tools)
     if written_by is not None:
         return EngineChoice(written_by, f"the checkpoint dir holds {written_by} checkpoints")
-    script = imports_procckpt(command, cwd or Path.cwd())
+    read: list[str] = []
+    script = imports_procckpt(command, cwd or Path.cwd(), read=read)
     if script is not None:
         return EngineChoice("hooks", f"{script} imports procckpt")
     tools = find()
     if tools is None:
-        return EngineChoice("hooks", "DMTCP is not installed (no dmtcp_launch on PATH); the "
-                                     "command must use procckpt.Checkpointer to be checkpointed")
+        why = "DMTCP is not installed (no dmtcp_launch on PATH)"
+        return EngineChoice("hooks", f"{why}; the command must use procckpt.Checkpointer to "
+                                     "be checkpointed", warning=_unsaveable(read, why))
     gpu = cuda_visible(environ, dev)
     if gpu:
-        return EngineChoice("hooks", f"{gpu}, and DMTCP cannot checkpoint CUDA processes; the "
-                                     "command must use procckpt.Checkpointer to be checkpointed")
+        why = f"{gpu}, and DMTCP cannot checkpoint CUDA processes"
+        return EngineChoice("hooks", f"{why}; the command must use procckpt.Checkpointer to be "
+                                     "checkpointed", warning=_unsaveable(read, why))
     problem = probe(tools)
     if problem is not None:
-        return EngineChoice("hooks", f"DMTCP is installed but {problem}")
+        return EngineChoice("hooks", f"DMTCP is installed but {problem}",
+                            warning=_unsaveable(read, f"DMTCP {problem}"))
     return EngineChoice("dmtcp", "the command does not import procckpt and DMTCP is installed",
                         tools)
+
+
+def _unsaveable(read: list[str], why: str) -> str | None:
+    """The warning for a command whose script was read and does not use procckpt."""
+    if not read:
+        return None  # nothing was seen (a shell script file): it may well use procckpt
+    return (f"{read[0]} does not import procckpt and {why}: procckpt can stop and restart it "
+            "but cannot save its progress, so a stop loses everything since it started "
+            "(use procckpt.Checkpointer in the script, or install DMTCP)")
 
 
 def _newest_engine(store: CheckpointStore) -> str | None:
@@ -117,15 +132,17 @@ def _newest_engine(store: CheckpointStore) -> str | None:
     return str(engine) if engine in ("hooks", "dmtcp") else None
 
 
-def imports_procckpt(command: list[str], cwd: Path) -> str | None:
-    """The script of ``command`` if its source imports procckpt, else None."""
+def imports_procckpt(command: list[str], cwd: Path, read: list[str] | None = None,
+                     ) -> str | None:
+    """The script of ``command`` if its source imports procckpt, else None. The names of the
+    sources that were read are appended to ``read``."""
     inline = _shell_code(command)
     if inline is not None:
         for simple in _shell_commands(inline):
             if simple[0] == "cd" and len(simple) == 2:  # cd run && python train.py
                 cwd = cwd / os.path.expanduser(simple[1])
                 continue
-            found = imports_procckpt(simple, cwd)
+            found = imports_procckpt(simple, cwd, read)
             if found is not None:
                 return found
         return None
@@ -137,6 +154,8 @@ def imports_procckpt(command: list[str], cwd: Path) -> str | None:
     for source_name, text in _sources(command, cwd):
         if _IMPORT_RE.search(text):
             return source_name
+        if read is not None:
+            read.append(source_name)
     return None
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..control import ENV_TOKEN, ControlChannel
+from ..control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel
 from ..store import CheckpointStore
-from . import Confirmation
+from . import Confirmation, RequestUndelivered
 
 __all__ = ["HooksEngine"]
 
@@ -20,12 +20,18 @@ class HooksEngine:
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
         self._channel = ControlChannel(self.store.control_dir, token)
         self._channel.clear()
-        return list(argv), {ENV_TOKEN: token}
+        # A planned stop exits 0: the ack tells this launcher it was one, and torchrun would
+        # report any other code as a failure of every rank.
+        return list(argv), {ENV_TOKEN: token, ENV_STOP_EXIT: "0"}
 
     def request(self, action: str, reason: str) -> int:
         assert self._channel is not None
         self._seq += 1
-        self._channel.send(self._seq, action, reason)
+        try:
+            self._channel.send(self._seq, action, reason)
+        except OSError as e:
+            raise RequestUndelivered(self._seq, f"could not write the checkpoint request into "
+                                     f"{self._channel.dir} ({e.strerror or e})") from e
         return self._seq
 
     def confirmation(self, seq: int) -> Confirmation | None:

@@ -1,0 +1,84 @@
+"""A resume is bit-identical whatever the DataLoader draws its order and its workers' seeds from:
+its own generator or torch's global one, in the main process or in workers, resumed at an epoch
+boundary, mid-epoch, or after falling back from a damaged newest checkpoint to an epoch-end one.
+
+The script runs on its own (a checkpoint at every epoch end), is SIGKILLed inside its second
+epoch on its first start, and is run again; its final weights must equal those of a run that
+was never interrupted. 96 samples in batches of 8: epochs end at steps 12, 24 and 36."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, run
+
+SCRIPT = PROGRAMS / "loader_train.py"
+_references: dict[tuple[bool, int], Path] = {}
+
+
+def train(workdir: Path, name: str, *args: str) -> tuple[Path, str]:
+    """Run the script with checkpoint dir ``name``; return its weights file and stderr."""
+    out = workdir / f"{name}.pt"
+    result = run([PYTHON, str(SCRIPT), *args, "--out", str(out),
+                  "--first-start-marker", str(workdir / f"{name}.started")], cwd=workdir,
+                 env={"PROCCKPT_DIR": str(workdir / name)})
+    return out, result
+
+
+def reference(tmp_path_factory: pytest.TempPathFactory, generator: bool, workers: int) -> Path:
+    key = (generator, workers)
+    if key not in _references:
+        where = tmp_path_factory.mktemp("reference")
+        out, result = train(where, "ref", *loader_args(generator, workers))
+        assert result.returncode == 0, result.stderr[-3000:]
+        _references[key] = out
+    return _references[key]
+
+
+def loader_args(generator: bool, workers: int) -> list[str]:
+    return [*(["--generator"] if generator else []), "--workers", str(workers)]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "own-generator"])
+@pytest.mark.parametrize("where", ["epoch-boundary", "mid-epoch", "fallback-to-epoch-end"])
+def test_resume_is_bit_identical(workdir: Path, tmp_path_factory, generator: bool, workers: int,
+                                 where: str):
+    args = loader_args(generator, workers)
+    expected = reference(tmp_path_factory, generator, workers)
+    crash = ["--kill-at-step", "18"]
+    if where != "epoch-boundary":
+        crash += ["--checkpoint-at-step", "16"]  # a mid-epoch checkpoint: epoch 1, batch 4
+    _, killed = train(workdir, "run", *args, *crash)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    checkpoints = sorted((workdir / "run" / "checkpoints").glob("ckpt-*"))
+    if where == "fallback-to-epoch-end":
+        newest = checkpoints[-1]
+        assert json.loads((newest / "MANIFEST.json").read_text())["batch"] == 4
+        with open(newest / "state.pt", "r+b") as f:  # one flipped byte in the middle
+            f.seek(f.seek(0, 2) // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    resumed, result = train(workdir, "run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    at = {"epoch-boundary": "1 0 12", "mid-epoch": "1 4 16", "fallback-to-epoch-end": "1 0 12"}
+    assert f"resumed {at[where]}" in result.stdout, result.stdout[:300]
+    if where == "fallback-to-epoch-end":
+        assert "checkpoint ckpt-00000002 is unusable" in result.stderr
+    assert_bit_identical(expected, resumed)
+
+
+def test_persistent_workers_are_refused_with_the_fix(workdir: Path):
+    """Persistent workers keep their random state from one epoch to the next, where no
+    checkpoint can reach it: a resumed run would silently differ, so procckpt refuses."""
+    _, result = train(workdir, "run", "--workers", "1", "--persistent-workers")
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "persistent_workers=True" in lines[0] and "persistent_workers=False" in lines[0]
+    assert "step 1" not in result.stdout

@@ -1,0 +1,87 @@
+"""A training script for the exactness tests of data loading: a shuffling DataLoader (its own
+generator or torch's global one; 0 or more workers) over a data set with a random transform
+in ``__getitem__``, dropout in the model. It can request a mid-epoch checkpoint and kill itself
+(SIGKILL: no clean-up of any kind) at given steps of its first start, so that the rerun must
+resume from what is on disk.
+
+Prints "resumed E B S" (epoch, batch, step of the resume, "-" on a fresh start) and "step N"."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+import procckpt
+
+
+class NoisyBlobs(Dataset):
+    """Two Gaussian blobs; each sample gets fresh noise when it is read (a random transform)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x[:, 0] > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--n", type=int, default=96)
+    parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--persistent-workers", action="store_true")
+    parser.add_argument("--generator", action="store_true", help="DataLoader(generator=...)")
+    parser.add_argument("--checkpoint-at-step", type=int, default=None,
+                        help="on the first start, ask for a checkpoint after this step")
+    parser.add_argument("--kill-at-step", type=int, default=None,
+                        help="on the first start, SIGKILL this process after this step")
+    parser.add_argument("--break-at-step", type=int, default=None,
+                        help="leave the epochs loop with break after this step")
+    parser.add_argument("--first-start-marker", default="first-start.done")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(7) if args.generator else None
+    loader = DataLoader(NoisyBlobs(args.n), batch_size=8, shuffle=True, generator=generator,
+                        num_workers=args.workers, persistent_workers=args.persistent_workers)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)
+    first_start = not Path(args.first_start_marker).exists()
+    Path(args.first_start_marker).touch()
+    resumed = ckpt.resumed_from is not None
+    print(f"resumed {ckpt.epoch} {ckpt.batch} {ckpt.step}" if resumed else "resumed - - -",
+          flush=True)
+    for _epoch in ckpt.epochs(args.epochs):
+        for xb, yb in ckpt.batches(loader):
+            loss = nn.functional.cross_entropy(model(xb), yb)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step = ckpt.step + 1
+            print(f"step {step}", flush=True)
+            if first_start and step == args.checkpoint_at_step:
+                ckpt.request_checkpoint()
+            if first_start and step == args.kill_at_step:
+                ckpt.flush()  # the requested checkpoint (if any) is on disk
+                os.kill(os.getpid(), signal.SIGKILL)
+        if args.break_at_step is not None and ckpt.step >= args.break_at_step:
+            break
+    if args.out:
+        torch.save(model.state_dict(), args.out)
+
+
+if __name__ == "__main__":
+    main()
