@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from .conftest import procckpt_argv, run
+from .conftest import PYTHON, procckpt_argv, run
 
 
 def one_line_error(result) -> str:
@@ -66,3 +67,25 @@ def test_status_shows_checkpoints_and_events(workdir: Path):
     assert "finished" in status.stdout
     assert "ckpt-00000001  8     1" in status.stdout and "yes" in status.stdout
     assert "exit" in status.stdout and "reason=finished" in status.stdout
+
+
+@pytest.mark.parametrize("argv", [
+    ["run", "--dir", "ckpt", "--time-limit", "1m", "--", "sh", "-c", "exit 0"],
+    ["sbatch", "--dry-run", "-t", "10:00", "--", "python", "train.py"],
+    ["status", "ckpt"],
+])
+def test_the_launcher_side_never_imports_torch(tmp_path: Path, argv: list[str]):
+    """procckpt run/sbatch/status are the launcher: importing torch would cost seconds and
+    hundreds of MB on every login node and job; only the training script imports it."""
+    from procckpt.store import CheckpointStore
+
+    CheckpointStore(tmp_path / "ckpt").open()  # for status: a dir with something to show
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules, "
+             "file=sys.__stderr__))\n"
+             "from procckpt.cli import main\n"
+             f"sys.exit(main({argv!r}))\n")
+    result = subprocess.run([PYTHON, "-c", probe], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "torch imported: False" in result.stderr, result.stderr[-2000:]

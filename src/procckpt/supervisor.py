@@ -114,15 +114,17 @@ class CycleOutcome:
 class Supervisor:
     """Runs one ``procckpt run`` invocation to its end.
 
-    ``clock``, ``child_factory`` are seams for unit tests; the end-to-end tests run real
-    processes with real signals.
+    ``clock``, ``child_factory`` and ``wait_signals`` are seams for unit tests (a fake clock,
+    a fake child, and a wait that advances the fake clock instead of sleeping, returning the
+    signals that "arrived"); the end-to-end tests run real processes with real signals.
     """
 
     def __init__(self, config: RunConfig, store: CheckpointStore, engine: Engine,
                  deadline: Deadline, policy: RestartPolicy, *,
                  extra_env: dict[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 child_factory: Callable[..., Child] = Child) -> None:
+                 child_factory: Callable[..., Child] = Child,
+                 wait_signals: Callable[[float], list[int]] | None = None) -> None:
         self.config = config
         self.store = store
         self.engine = engine
@@ -131,6 +133,7 @@ class Supervisor:
         self.extra_env = extra_env or {}
         self._clock = clock
         self._child_factory = child_factory
+        self._wait = wait_signals
         self._actions = signal_actions(config.checkpoint_signal)
         #: As PID 1 (a container's entrypoint) orphans are ours to reap; see pid1.py.
         self._reap_orphans = pid1.is_init()
@@ -140,11 +143,15 @@ class Supervisor:
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> RunResult:
+        if self._wait is not None:  # a test drives the signals
+            return self._run()
         self._install_signals()
+        self._wait = self._wait_signals
         try:
             return self._run()
         finally:
             self._restore_signals()
+            self._wait = None
 
     def _run(self) -> RunResult:
         restarts = self.policy.initial_restarts
@@ -330,7 +337,7 @@ class Supervisor:
                       give_up_at if stop_seq is not None else None):
                 if t is not None:
                     waits.append(max(0.0, t - now))
-            for signum in self._wait_signals(min(waits)):
+            for signum in self._wait(min(waits)):  # type: ignore[misc]
                 action = self._actions.get(signum)
                 name = signal.Signals(signum).name
                 if action is Action.FORWARD:

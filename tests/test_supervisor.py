@@ -1,0 +1,209 @@
+"""The run loop driven through its seams: a fake clock, a fake child and a fake engine play
+deadline -> checkpoint request -> grace -> stop -> restart/exit in milliseconds, with a real
+checkpoint dir and journal. (The end-to-end tests run the same loop with real processes.)"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from procckpt.config import RunConfig
+from procckpt.deadline import LocalDeadline, NoDeadline
+from procckpt.engines import Confirmation
+from procckpt.events import read_events
+from procckpt.requeue import LocalRestart
+from procckpt.store import CheckpointStore
+from procckpt.supervisor import ExitReason, Supervisor
+
+
+@dataclass
+class Cycle:
+    """How the command behaves in one cycle (times in seconds after its start)."""
+
+    exits_at: float | None = None  # exits by itself then, with ``code``
+    code: int = 0
+    completes: bool = False  # marks the training complete when it exits by itself
+    confirm_after: float | None = 1.0  # a stop request is confirmed this long after
+    step: int | None = None  # the step of the confirmed checkpoint
+    exit_after_confirm: float = 0.5  # then it exits (0) this long after the confirmation
+    ignores_term: bool = False  # SIGTERM does not stop it (the launcher must SIGKILL)
+
+
+@dataclass
+class World:
+    store: CheckpointStore
+    cycles: list[Cycle]
+    now: float = 1000.0
+    index: int = -1
+    started: float = 0.0
+    requests: list[tuple[float, str, str]] = field(default_factory=list)
+    stop_asked: float | None = None
+    exited: int | None = None
+    killed_with: list[int] = field(default_factory=list)
+
+    @property
+    def cycle(self) -> Cycle:
+        return self.cycles[self.index]
+
+    def elapsed(self) -> float:
+        return self.now - self.started
+
+    def confirmed_at(self) -> float | None:
+        c = self.cycle
+        if self.stop_asked is None or c.confirm_after is None:
+            return None
+        return self.stop_asked + c.confirm_after
+
+
+class FakeChild:
+    pid = 4242
+
+    def __init__(self, world: World, argv: list[str], env: dict[str, str]) -> None:
+        self.world = world
+
+    def start(self) -> None:
+        w = self.world
+        w.index += 1
+        w.started, w.stop_asked, w.exited = w.now, None, None
+
+    def poll(self) -> int | None:
+        w, c = self.world, self.world.cycle
+        if w.exited is not None:
+            return w.exited
+        if c.exits_at is not None and w.elapsed() >= c.exits_at:
+            if c.completes:
+                w.store.mark_complete(step=100)
+            w.exited = c.code
+        confirmed = w.confirmed_at()
+        if confirmed is not None and w.now >= confirmed + c.exit_after_confirm:
+            w.exited = 0
+        return w.exited
+
+    def signal(self, sig: int) -> None:
+        self.world.killed_with.append(sig)
+
+    def stop(self, term_timeout: float = 10.0, kill_timeout: float = 5.0) -> int:
+        w = self.world
+        self.signal(signal.SIGTERM)
+        if w.cycle.ignores_term:
+            w.now += term_timeout
+            self.signal(signal.SIGKILL)
+            w.exited = 128 + signal.SIGKILL
+        else:
+            w.exited = 128 + signal.SIGTERM
+        return w.exited
+
+    def kill_leftovers(self, timeout: float = 5.0) -> None:
+        pass
+
+
+class FakeEngine:
+    name = "hooks"
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.seq = 0
+
+    def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
+        return list(argv), {}
+
+    def request(self, action: str, reason: str) -> int:
+        self.seq += 1
+        self.world.requests.append((self.world.elapsed(), action, reason))
+        if action == "stop":
+            self.world.stop_asked = self.world.now
+        return self.seq
+
+    def _confirmation(self) -> Confirmation | None:
+        w = self.world
+        at = w.confirmed_at()
+        if at is None or w.now < at:
+            return None
+        return Confirmation(f"ckpt-{w.index + 1:08d}", w.cycle.step, True, self.seq)
+
+    def confirmation(self, seq: int) -> Confirmation | None:
+        return self._confirmation()
+
+    def connected(self) -> bool:
+        return self.world.cycle.confirm_after is not None
+
+    def end_cycle(self) -> Confirmation | None:
+        return self._confirmation()
+
+
+def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 100.0,
+              grace: float = 10.0, max_restarts: int = 20) -> tuple[World, object, float]:
+    store = CheckpointStore(tmp_path / "ckpt").open()
+    world = World(store, cycles)
+    config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
+                       max_restarts=max_restarts, term_timeout=10.0)
+
+    def wait(timeout: float) -> list[int]:
+        world.now += max(timeout, 0.001)
+        return []
+
+    deadline = LocalDeadline(time_limit) if time_limit is not None else NoDeadline()
+    supervisor = Supervisor(config, store, FakeEngine(world), deadline,
+                            LocalRestart(max_restarts), clock=lambda: world.now,
+                            child_factory=lambda argv, env: FakeChild(world, argv, env),
+                            wait_signals=wait)
+    started = time.perf_counter()
+    result = supervisor.run()
+    return world, result, time.perf_counter() - started
+
+
+def journal(world: World) -> list[str]:
+    return [e["event"] for e in read_events(world.store.events_path)]
+
+
+def test_deadline_checkpoint_stop_restart_finish(tmp_path: Path):
+    world, result, took = supervise(tmp_path, [Cycle(step=10), Cycle(step=20),
+                                               Cycle(exits_at=30, completes=True)])
+    assert result.reason is ExitReason.FINISHED and result.exit_code == 0
+    assert result.cycles == 3
+    stops = [r for r in world.requests if r[1] == "stop"]
+    assert [round(t) for t, _, _ in stops] == [90, 90]  # time limit 100 - grace 10
+    assert journal(world).count("restart") == 2 and journal(world)[-1] == "exit"
+    assert took < 5  # 230 s of supervised time in (far) less than a second of real time
+
+
+def test_no_confirmation_within_the_grace_stops_and_three_such_cycles_give_up(tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(confirm_after=60, ignores_term=True)] * 5)
+    assert result.reason is ExitReason.NO_PROGRESS and result.exit_code == 75
+    assert result.cycles == 3
+    assert world.killed_with.count(signal.SIGKILL) == 3  # TERM ignored: bounded, then KILL
+    assert journal(world).count("unconfirmed") == 3
+
+
+def test_a_command_that_never_connects_exits_124(tmp_path: Path):
+    _, result, _ = supervise(tmp_path, [Cycle(confirm_after=None)])
+    assert result.reason is ExitReason.NOT_CHECKPOINTABLE and result.exit_code == 124
+
+
+def test_the_restart_budget_is_kept(tmp_path: Path):
+    cycles = [Cycle(step=10 * (i + 1)) for i in range(5)]
+    _, result, _ = supervise(tmp_path, cycles, max_restarts=2)
+    assert result.reason is ExitReason.BUDGET_EXHAUSTED and result.exit_code == 75
+    assert result.cycles == 3
+
+
+@pytest.mark.parametrize("code, reason, words", [
+    (3, ExitReason.FAILED, "failed with exit code 3"),
+    (137, ExitReason.FAILED, "was killed by signal 9 (SIGKILL)"),
+    (74, ExitReason.STORAGE_FAILED, "is not restarted"),
+])
+def test_a_command_that_ends_by_itself(tmp_path: Path, code: int, reason: ExitReason,
+                                       words: str):
+    _, result, _ = supervise(tmp_path, [Cycle(exits_at=5, code=code)] * 3)
+    assert result.reason is reason and result.exit_code == code and result.cycles == 1
+    assert words in result.message
+
+
+def test_no_time_limit_means_no_request(tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(exits_at=5000, completes=True)],
+                                 time_limit=None)
+    assert result.reason is ExitReason.FINISHED and world.requests == []
