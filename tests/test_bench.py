@@ -1,4 +1,4 @@
-"""The benchmark's smoke run: every section runs at a tiny size and prints its rows.
+"""The benchmark's smoke run (benchmarks/bench.py, outside the package): every section runs at a tiny size and prints its rows.
 The real numbers come from a full run (see BENCHMARKS.md), never from the test suite. ~30 s."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     env.pop("PROCCKPT_TOKEN", None)
     md = tmp_path / "bench.md"
-    done = subprocess.run([sys.executable, "-m", "procckpt.bench", "--quick", "--dir",
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--dir",
                            str(tmp_path), "--markdown", str(md)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

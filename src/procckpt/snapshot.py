@@ -16,7 +16,7 @@ it was fsynced and renamed into place. One write is in flight at a time: a secon
 waits for the first, so the extra host memory is one copy of the state, never two.
 
 Why a thread and not a helper process: the thread spends its time in ``os.write``, CRC-32 and
-``fsync``, which all release the GIL; ``python -m procckpt.bench`` measures it holding the GIL
+``fsync``, which all release the GIL; ``python benchmarks/bench.py`` measures it holding the GIL
 for about a millisecond in all while it writes 1 GiB, and a Python-heavy training loop runs
 as fast beside the writer thread as beside a helper process doing the same write (the "GIL"
 table of BENCHMARKS.md). A helper process would buy nothing measurable and cost the host copy

@@ -27,7 +27,7 @@ import pytest
 from procckpt.events import read_events
 from procckpt.store import file_crc32
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..conftest import PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv, run
 
 NO_DMTCP = ("DMTCP is not installed (no dmtcp_launch on PATH); `module load dmtcp` or build "
             "it from https://github.com/dmtcp/dmtcp")
@@ -315,7 +315,8 @@ def test_a_checkpointer_under_the_dmtcp_engine_says_to_use_hooks(workdir: Path):
 
 @needs_dmtcp
 def test_benchmark_prints_the_write_ratio(workdir: Path):
-    result = run([PYTHON, "-m", "procckpt.bench_dmtcp", "--mb", "8", "--reps", "1",
+    result = run([PYTHON, str(REPO / "benchmarks" / "dmtcp_images.py"), "--mb", "8",
+                  "--reps", "1",
                   "--dir", str(workdir)], cwd=workdir)
     assert result.returncode == 0, result.stderr[-3000:]
     ratio = re.search(r"^ratio image write / raw write: +(\d+\.\d+)x$", result.stdout, re.M)

@@ -1,6 +1,6 @@
 """Benchmark: how long DMTCP takes to write a process image, against a raw write of its bytes.
 
-    python -m procckpt.bench_dmtcp [--mb 256] [--reps 5] [--gzip] [--dir DIR]
+    python benchmarks/dmtcp_images.py [--mb 256] [--reps 5] [--gzip] [--dir DIR]
 
 Runs a Python process holding ``--mb`` MB of random (incompressible) tensor data under the
 DMTCP engine, takes ``--reps`` checkpoints through the engine (the path ``procckpt run`` uses),
@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .engines.dmtcp import DmtcpEngine, find_dmtcp
-from .events import read_events
-from .store import CheckpointStore
+from procckpt.engines.dmtcp import DmtcpEngine, find_dmtcp
+from procckpt.events import read_events
+from procckpt.store import CheckpointStore
 
 __all__ = ["main"]
 
@@ -113,7 +113,7 @@ def _raw_write(data: bytes, target: Path) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m procckpt.bench_dmtcp", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python benchmarks/dmtcp_images.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=256, help="MB of tensor data the process holds")
     parser.add_argument("--reps", type=int, default=5, help="checkpoints to take")

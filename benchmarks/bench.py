@@ -1,4 +1,4 @@
-"""``python -m procckpt.bench``: what checkpoints cost, against the targets of BENCHMARKS.md.
+"""``python benchmarks/bench.py``: what checkpoints cost, against the targets of BENCHMARKS.md.
 
 One run prints, side by side for each state size (64 MiB and 1 GiB; 4 GiB when memory
 allows), medians over repeats:
@@ -44,10 +44,10 @@ from typing import Any
 import psutil
 import torch
 
-from . import checksum
-from .events import read_events
-from .snapshot import StreamingFileWriter
-from .state import Checkpointer
+from procckpt import checksum
+from procckpt.events import read_events
+from procckpt.snapshot import StreamingFileWriter
+from procckpt.state import Checkpointer
 
 __all__ = ["main"]
 
@@ -468,8 +468,8 @@ def bench_gil(size: int, repeats: int, work: Path, log: Callable[[str], None],
 
 # -- 6: the launcher -------------------------------------------------------------------------
 def worker_main(argv: list[str]) -> None:
-    """``python -m procckpt.bench worker``: a small training loop that reports step times."""
-    p = argparse.ArgumentParser(prog="procckpt.bench worker")
+    """``python benchmarks/bench.py worker``: a small training loop that reports step times."""
+    p = argparse.ArgumentParser(prog="benchmarks/bench.py worker")
     p.add_argument("--mode", choices=("plain", "procckpt"), required=True)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--dir", default=None)
@@ -531,7 +531,8 @@ def bench_launcher(repeats: int, seconds: float, work: Path, log: Callable[[str]
     procckpt = shutil.which("procckpt")
     launcher_cmd = ([procckpt] if procckpt else [sys.executable, "-m", "procckpt.cli"])
     env = dict(os.environ, PROCCKPT_LOG_LEVEL="WARNING")
-    worker = [sys.executable, "-m", "procckpt.bench", "worker", "--seconds", str(seconds)]
+    worker = [sys.executable, str(Path(__file__).absolute()), "worker", "--seconds",
+              str(seconds)]
     for r in range(repeats):
         for launched in ((False, True) if r % 2 == 0 else (True, False)):
             d = work / f"launcher-{r}"
@@ -756,7 +757,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         worker_main(argv[1:])
         return 0
-    p = argparse.ArgumentParser(prog="python -m procckpt.bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--sizes", help="state sizes, e.g. 64MiB,1GiB [64MiB,1GiB and 4GiB when "
                                    "memory allows]")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement [5]")
