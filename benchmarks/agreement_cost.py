@@ -51,9 +51,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import procckpt
-    from procckpt.distributed import RankAgreement, Flags
+    from procckpt.training.distributed import RankAgreement, Flags
 
-    from procckpt.store import CheckpointStore
+    from procckpt.store.store import CheckpointStore
 
     if rank == 0:
         CheckpointStore(tmp).open()  # what `procckpt run` prepares

@@ -29,9 +29,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from procckpt.engines.dmtcp import DmtcpEngine, find_dmtcp
-from procckpt.events import read_events
-from procckpt.store import CheckpointStore
+from procckpt.launcher.engines.dmtcp import DmtcpEngine, find_dmtcp
+from procckpt.protocol.events import read_events
+from procckpt.store.store import CheckpointStore
 
 __all__ = ["main"]
 

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.config import load_config
+from procckpt.launcher.config import load_config
 from procckpt.errors import UsageError
 
 

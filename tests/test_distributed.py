@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from procckpt import Checkpointer
-from procckpt import distributed as pd
+from procckpt.training import distributed as pd
 from procckpt.errors import ProcckptError, UsageError
 
 # -- pure parts ------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.engines.dmtcp import (
+from procckpt.launcher.engines.dmtcp import (
     CKPT_SIGNAL,
     DmtcpEngine,
     DmtcpError,
@@ -19,7 +19,7 @@ from procckpt.engines.dmtcp import (
     find_dmtcp,
 )
 from procckpt.errors import UsageError
-from procckpt.store import CheckpointStore
+from procckpt.store.store import CheckpointStore
 
 TOOLS = DmtcpTools("dmtcp_launch", "dmtcp_restart", "dmtcp_command", "dmtcp_coordinator")
 

@@ -18,7 +18,7 @@ import yaml
 
 from procckpt.cli import main
 from procckpt.errors import EX_TEMPFAIL, UsageError
-from procckpt.k8s import EXIT_MARGIN, K8sJobSpec, job_manifest, render_manifest
+from procckpt.schedulers.k8s import EXIT_MARGIN, K8sJobSpec, job_manifest, render_manifest
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from procckpt.errors import UsageError
-from procckpt.sbatch import parse_sbatch_args, render_job_script
+from procckpt.schedulers.sbatch import parse_sbatch_args, render_job_script
 
 from .conftest import PYTHON, REPO, procckpt_argv, run
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.config import RunConfig
-from procckpt.requeue import Decision, StopCause
-from procckpt.slurm import (
+from procckpt.launcher.config import RunConfig
+from procckpt.launcher.restart import Decision, StopCause
+from procckpt.schedulers.slurm import (
     JobRecord,
     SlurmDeadline,
     SlurmJob,

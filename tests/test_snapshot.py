@@ -14,11 +14,12 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
-from procckpt import Checkpointer, snapshot
-from procckpt.snapshot import (BackgroundSaver, BackgroundWriteError, HostArena,
+from procckpt import Checkpointer
+from procckpt.training import snapshot
+from procckpt.training.snapshot import (BackgroundSaver, BackgroundWriteError, HostArena,
                                NotSnapshottable, StreamingFileWriter, async_wanted,
                                write_checkpoint)
-from procckpt.store import CheckpointStore
+from procckpt.store.store import CheckpointStore
 
 
 class Pair(NamedTuple):
@@ -312,9 +313,9 @@ def test_a_checkpoint_written_with_one_crc_implementation_verifies_with_the_othe
     # The implementation is chosen at import, so each side runs in its own interpreter.
     program = """
 import sys, torch
-from procckpt.checksum import IMPLEMENTATION
-from procckpt.snapshot import write_checkpoint
-from procckpt.store import CheckpointStore
+from procckpt.store.checksum import IMPLEMENTATION
+from procckpt.training.snapshot import write_checkpoint
+from procckpt.store.store import CheckpointStore
 store = CheckpointStore(sys.argv[2]).open()
 if sys.argv[1] == "write":
     write_checkpoint(store, {}, {"t": torch.randn(300_000)})

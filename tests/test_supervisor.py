@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.config import RunConfig
-from procckpt.deadline import LocalDeadline, NoDeadline
-from procckpt.engines import Confirmation
-from procckpt.events import read_events
-from procckpt.requeue import LocalRestart
-from procckpt.store import CheckpointStore
-from procckpt.supervisor import ExitReason, Supervisor
+from procckpt.launcher.config import RunConfig
+from procckpt.launcher.deadline import LocalDeadline, NoDeadline
+from procckpt.launcher.engines import Confirmation
+from procckpt.protocol.events import read_events
+from procckpt.launcher.restart import LocalRestart
+from procckpt.store.store import CheckpointStore
+from procckpt.launcher.supervisor import ExitReason, Supervisor
 
 
 @dataclass

@@ -8,18 +8,18 @@ __version__ = "0.1.0"
 __all__ = ["Checkpointer", "Sharded", "init_distributed", "__version__"]
 
 if TYPE_CHECKING:
-    from .distributed import Sharded, init_distributed
-    from .state import Checkpointer
+    from .training.distributed import Sharded, init_distributed
+    from .training.checkpointer import Checkpointer
 
 
 def __getattr__(name: str) -> Any:
     # The launcher imports this package too and must not pay for importing torch.
     if name == "Checkpointer":
-        from .state import Checkpointer
+        from .training.checkpointer import Checkpointer
 
         return Checkpointer
     if name in ("Sharded", "init_distributed"):
-        from . import distributed
+        from .training import distributed
 
         return getattr(distributed, name)
     raise AttributeError(f"module 'procckpt' has no attribute {name!r}")

@@ -11,13 +11,13 @@ from typing import Any
 import click
 
 from . import __version__
-from .config import ENGINES, RunConfig, load_config
-from .deadline import Deadline, LocalDeadline, NoDeadline
-from .engines import Engine
+from .launcher.config import ENGINES, RunConfig, load_config
+from .launcher.deadline import Deadline, LocalDeadline, NoDeadline
+from .launcher.engines import Engine
 from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
 from .log import setup_logging
-from .requeue import LocalRestart, RestartPolicy
-from .store import CheckpointStore
+from .launcher.restart import LocalRestart, RestartPolicy
+from .store.store import CheckpointStore
 
 __all__ = ["main", "cli"]
 
@@ -67,7 +67,7 @@ def run(command: tuple[str, ...], config_path: str | None, dir_: str | None,
 
 def run_command(config: RunConfig) -> int:
     """Everything ``procckpt run`` does after parsing; returns the exit code."""
-    from .supervisor import Supervisor
+    from .launcher.supervisor import Supervisor
 
     exe = config.command[0]
     if "/" not in exe and shutil.which(exe) is None:
@@ -92,15 +92,15 @@ def run_command(config: RunConfig) -> int:
 
 def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
     """The engine --engine asks for (auto: see engines/choice.py); logs which and why."""
-    from .engines.choice import choose_engine
-    from .engines.hooks import HooksEngine
+    from .launcher.engines.choice import choose_engine
+    from .launcher.engines.hooks import HooksEngine
 
     choice = choose_engine(config.engine, config.command, store)
     logger.info("engine: %s (%s)", choice.name, choice.reason)
     if choice.warning is not None:
         logger.warning("%s", choice.warning)
     if choice.name == "dmtcp":
-        from .engines.dmtcp import DmtcpEngine
+        from .launcher.engines.dmtcp import DmtcpEngine
 
         assert choice.tools is not None
         return DmtcpEngine(store, choice.tools)
@@ -108,7 +108,7 @@ def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
 
 
 def _deadline_and_policy(config: RunConfig) -> tuple[Deadline, RestartPolicy]:
-    from .slurm import slurm_deadline_and_policy
+    from .schedulers.slurm import slurm_deadline_and_policy
 
     slurm = slurm_deadline_and_policy(config)  # None outside a Slurm job
     if slurm is not None:
@@ -156,7 +156,7 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
         procckpt sbatch --dry-run -t 30 -- ./train.sbatch
         procckpt sbatch --chain 10 -t 4:00:00 -- python train.py
     """
-    from .sbatch import sbatch_main
+    from .schedulers.sbatch import sbatch_main
 
     sys.exit(sbatch_main(ctx.meta["raw_args"]))
 
@@ -206,7 +206,7 @@ def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str 
             -- torchrun --nproc-per-node 8 train.py | kubectl apply -f -
     """
     from .durations import parse_duration
-    from .k8s import K8sJobSpec, render_manifest
+    from .schedulers.k8s import K8sJobSpec, render_manifest
 
     spec = K8sJobSpec(
         command=list(command), dir=dir_, grace=parse_duration(grace, what="grace"),

@@ -19,7 +19,8 @@ def parse_duration(text: str | int | float, *, what: str = "duration") -> float:
     """Return the number of seconds in ``text``.
 
     Accepted forms: a number with an optional unit (``45``, ``2500ms``, ``90s``, ``15m``,
-    ``2h``, ``1d``; a bare number is seconds), or a clock ``[D-]H:MM:SS`` / ``MM:SS`` / ``D-H[:MM]``.
+    ``2h``, ``1d``; a bare number is seconds), or a clock ``[D-]H:MM:SS`` / ``MM:SS`` /
+    ``D-H[:MM]``.
     Slurm's bare-number "minutes" form is deliberately not accepted: ``procckpt sbatch``
     passes ``-t`` to Slurm untouched instead.
 

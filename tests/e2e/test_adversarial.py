@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 

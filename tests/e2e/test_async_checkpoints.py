@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from procckpt.control import ControlChannel
-from procckpt.events import read_events
-from procckpt.store import CheckpointStore
+from procckpt.protocol.control import ControlChannel
+from procckpt.protocol.events import read_events
+from procckpt.store.store import CheckpointStore
 
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "async_train.py"
 #: Settings that make each background write take a couple of seconds.

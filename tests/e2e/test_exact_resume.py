@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 

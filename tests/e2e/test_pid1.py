@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from procckpt.errors import EX_TEMPFAIL
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 

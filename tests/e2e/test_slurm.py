@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, run
 from ..slurm_cluster import (

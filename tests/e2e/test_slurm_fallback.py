@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON
 

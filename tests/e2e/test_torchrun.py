@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from procckpt.events import read_events
+from procckpt.protocol.events import read_events
 
 from ..conftest import EXAMPLES, PYTHON, procckpt_argv, run
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import procckpt
-from procckpt import snapshot
+from procckpt.training import snapshot
 
 
 def main() -> None:

@@ -44,10 +44,10 @@ from pathlib import Path
 from typing import Any
 
 from ..child import _die_with_parent as die_with_parent
-from ..durations import parse_duration
-from ..errors import ProcckptError, UsageError
-from ..events import append_event
-from ..store import CheckpointInfo, CheckpointStore
+from ...durations import parse_duration
+from ...errors import ProcckptError, UsageError
+from ...protocol.events import append_event
+from ...store.store import CheckpointInfo, CheckpointStore
 from . import Confirmation
 
 __all__ = ["DmtcpEngine", "DmtcpTools", "find_dmtcp", "CKPT_SIGNAL", "missing_dmtcp_message"]

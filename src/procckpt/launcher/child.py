@@ -17,7 +17,7 @@ from typing import Any
 
 import psutil
 
-from .errors import CommandNotFoundError
+from ..errors import CommandNotFoundError
 
 __all__ = ["Child", "exit_code_of"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel
-from ..store import CheckpointStore
+from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel
+from ...store.store import CheckpointStore
 from . import Confirmation, RequestUndelivered
 
 __all__ = ["HooksEngine"]

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .checksum import crc32 as checksum_crc32
-from .errors import (CheckpointCorruptError, CheckpointReadError, LockedError, StorageError,
+from ..errors import (CheckpointCorruptError, CheckpointReadError, LockedError, StorageError,
                      StoreError)
 
 __all__ = [
@@ -707,7 +707,7 @@ class CheckpointStore:
                        path.name, problem)
         with contextlib.suppress(OSError):
             os.rename(path, path.with_name(path.name + ".corrupt"))
-        from .events import append_event  # local: events imports nothing heavy, but stays optional
+        from ..protocol.events import append_event  # local: the store is below the protocol
 
         append_event(self.events_path, "corrupt", checkpoint=path.name, problem=problem)
 

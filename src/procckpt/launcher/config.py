@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from .durations import parse_duration
-from .errors import UsageError
+from ..durations import parse_duration
+from ..errors import UsageError
 
 __all__ = ["RunConfig", "load_config", "CONFIG_FILE", "ENGINES"]
 

@@ -55,11 +55,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointCorruptError, ProcckptError, UsageError
-from .store import CheckpointInfo, PendingCheckpoint, fsync_dir
+from ..errors import CheckpointCorruptError, ProcckptError, UsageError
+from ..store.store import CheckpointInfo, PendingCheckpoint, fsync_dir
 
 if TYPE_CHECKING:
-    from .state import Checkpointer
+    from .checkpointer import Checkpointer
 
 __all__ = [
     "Sharded",
@@ -446,7 +446,7 @@ class DistributedCoordinator:
             try:
                 if self.rank == 0:
                     assert pending is not None
-                    from .state import PAYLOAD
+                    from .checkpointer import PAYLOAD
 
                     with pending.open(PAYLOAD) as f:
                         torch.save(ck._payload(exclude=set(sharded)), f)

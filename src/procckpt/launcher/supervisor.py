@@ -31,17 +31,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import control as ctl
+from ..protocol import control as ctl
 from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
-from .durations import format_duration
+from ..durations import format_duration
 from .engines import Confirmation, Engine, RequestUndelivered
-from .errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
-from .events import append_event
-from .requeue import Decision, RestartPolicy, StopCause
-from .store import CheckpointStore
+from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
+from ..protocol.events import append_event
+from .restart import Decision, RestartPolicy, StopCause
+from ..store.store import CheckpointStore
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 

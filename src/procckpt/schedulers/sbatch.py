@@ -37,9 +37,9 @@ import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import DEFAULT_GRACE, RunConfig
-from .durations import parse_duration
-from .errors import EX_TEMPFAIL, ProcckptError, UsageError
+from ..launcher.config import DEFAULT_GRACE, RunConfig
+from ..durations import parse_duration
+from ..errors import EX_TEMPFAIL, ProcckptError, UsageError
 from .slurm import ENV_CHAIN, ENV_END_TIME, parse_time_limit, sbatch_directives
 
 __all__ = ["SbatchSpec", "parse_sbatch_args", "render_job_script", "submit", "sbatch_main"]

@@ -55,10 +55,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from .config import RunConfig
-from .durations import format_duration
-from .errors import EX_TEMPFAIL
-from .requeue import Decision, LocalRestart, StopCause, Verdict
+from ..launcher.config import RunConfig
+from ..durations import format_duration
+from ..errors import EX_TEMPFAIL
+from ..launcher.restart import Decision, LocalRestart, StopCause, Verdict
 
 __all__ = [
     "SlurmEnv",

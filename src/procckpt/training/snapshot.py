@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from .checksum import crc32
-from .errors import ProcckptError, UsageError
-from .store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
+from ..store.checksum import crc32
+from ..errors import ProcckptError, UsageError
+from ..store.store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
 
 __all__ = [
     "StreamingFileWriter",
@@ -404,7 +404,7 @@ class MappedVerification:
         return self._problem
 
     def _run(self) -> None:
-        from .store import file_crc32
+        from ..store.store import file_crc32
 
         try:
             if self._base is None:

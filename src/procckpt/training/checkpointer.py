@@ -34,16 +34,16 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from . import control as ctl
+from ..protocol import control as ctl
 from . import distributed as dist_
-from .errors import (EX_TEMPFAIL, CheckpointCorruptError, CheckpointReadError, ProcckptError,
+from ..errors import (EX_TEMPFAIL, CheckpointCorruptError, CheckpointReadError, ProcckptError,
                      StorageError, UsageError, exiting)
-from .events import append_event
-from .log import setup_logging
+from ..protocol.events import append_event
+from ..log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .snapshot import (BackgroundSaver, MappedVerification, NotSnapshottable, WriteResult,
                        async_wanted, detach_from_file, private_copy, write_checkpoint)
-from .store import (CheckpointInfo, CheckpointStore, DirLock, lasting_write_error,
+from ..store.store import (CheckpointInfo, CheckpointStore, DirLock, lasting_write_error,
                     read_with_retries)
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from .errors import EX_TEMPFAIL, UsageError
+from ..errors import EX_TEMPFAIL, UsageError
 
 __all__ = ["K8sJobSpec", "job_manifest", "render_manifest", "EXIT_MARGIN", "CONTAINER"]
 
