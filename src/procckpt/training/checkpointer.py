@@ -152,6 +152,7 @@ class Checkpointer:
             self.rank = _rank()
             self.is_writer = self.rank == 0
             self._dist = dist_.coordinator_for(sync_every, allow_reshard)
+            self._member = _GroupMember(self)  # how the coordinator sees this rank
             self.allow_reshard = allow_reshard
             self._polls_control = dist_.polls_control(self.rank)
             self.save_every = (save_every if save_every is not None
@@ -385,7 +386,7 @@ class Checkpointer:
 
     def _save(self, reason: str) -> CheckpointInfo | None:
         if self._dist is not None:
-            return self._dist.save(self, reason)
+            return self._dist.save(self._member, reason)
         if not self.is_writer:
             return None
         if self._background is not None:
@@ -430,7 +431,7 @@ class Checkpointer:
         }
 
     def _after_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
-        """Book-keeping after a synchronous save (also called by procckpt.distributed)."""
+        """Book-keeping after a synchronous save (a group's too, see _GroupMember)."""
         self._last_save = time.monotonic()
         self._saved_at = (self.epoch, self.batch, self.step)
         self._record_saved(info, reason, self._saved_at, seconds)
@@ -525,7 +526,7 @@ class Checkpointer:
     def _resume(self) -> CheckpointInfo | None:
         started = time.monotonic()
         if self._dist is not None:
-            loaded = self._dist.load_latest(self)  # collective; the payload is read plainly
+            loaded = self._dist.load_latest(self._member)  # collective; the payload is read plainly
             if loaded is not None:
                 loaded = loaded[0], self._apply(*loaded)
         elif not self.is_writer and not self.store.ckpt_root.is_dir():
@@ -681,7 +682,7 @@ class Checkpointer:
         flags = self._wanted(now, epoch_end)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
-            agreed = self._dist.agree(self, flags or dist_.Flags(), epoch_end)
+            agreed = self._dist.agree(self._member, flags or dist_.Flags(), epoch_end)
             if agreed is None:
                 return
             self._adopt(agreed)
@@ -784,6 +785,43 @@ class Checkpointer:
             append_event(self.store.events_path, "complete", step=self.step, epoch=self.epoch)
         if self._request is not None or self._stop_reason is not None:
             self._answer(info, stopping=True)
+
+
+class _GroupMember:
+    """This rank's Checkpointer as the group coordinator sees it (``distributed.GroupMember``):
+    the one place where the coordinator's needs meet the Checkpointer's internals."""
+
+    payload_name = PAYLOAD
+
+    def __init__(self, checkpointer: Checkpointer) -> None:
+        self._ck = checkpointer
+        self.store = checkpointer.store
+
+    @property
+    def step(self) -> int:
+        return self._ck.step
+
+    @property
+    def statefuls(self) -> dict[str, Any]:
+        return self._ck._statefuls
+
+    def checkpoint_meta(self, reason: str) -> dict[str, Any]:
+        return self._ck._meta(reason)
+
+    def replicated_payload(self, exclude: set[str]) -> dict[str, Any]:
+        return self._ck._payload(exclude=exclude)
+
+    def rank_payload(self) -> dict[str, Any]:
+        return self._ck._rng_payload()
+
+    def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
+        self._ck._after_save(info, reason, seconds)
+
+    def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+        return self._ck._load_latest()
+
+    def read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
+        return self._ck._read_payload(info)
 
 
 def _checked_extras(extras: dict[str, Any]) -> dict[str, Any]:

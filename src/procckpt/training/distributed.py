@@ -50,16 +50,13 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointCorruptError, ProcckptError, UsageError
-from ..store.store import CheckpointInfo, PendingCheckpoint, fsync_dir
-
-if TYPE_CHECKING:
-    from .checkpointer import Checkpointer
+from ..store.store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
 
 __all__ = [
     "Sharded",
@@ -367,6 +364,36 @@ def _device_for_group(group: Any = None) -> torch.device:
 
 
 # -- saving and loading as a group ---------------------------------------------------------
+class GroupMember(Protocol):
+    """What the coordinator needs of one rank's Checkpointer, and nothing more: the state to
+    save, where it goes, and what to record once the group committed it."""
+
+    store: CheckpointStore
+    step: int
+    payload_name: str  # the file the replicated state goes into (written by rank 0)
+
+    @property
+    def statefuls(self) -> Mapping[str, Any]: ...
+
+    def checkpoint_meta(self, reason: str) -> dict[str, Any]:
+        """What the manifest says about this checkpoint (step, epoch, reason, ...)."""
+
+    def replicated_payload(self, exclude: set[str]) -> dict[str, Any]:
+        """The state every rank holds alike, without the ``exclude`` (sharded) statefuls."""
+
+    def rank_payload(self) -> dict[str, Any]:
+        """This rank's own state: its random streams."""
+
+    def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
+        """Book-keeping once the group's checkpoint is committed."""
+
+    def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+        """One process's verified load of the newest checkpoint (the rank-0 path)."""
+
+    def read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
+        """The replicated payload of ``info``, read plainly (``weights_only``)."""
+
+
 class DistributedCoordinator:
     """The collective side of one rank's Checkpointer."""
 
@@ -408,20 +435,20 @@ class DistributedCoordinator:
         return [r for r, v in enumerate(t.tolist()) if v]
 
     # agreement ------------------------------------------------------------------------------
-    def agree(self, ck: Checkpointer, local: Flags, epoch_end: bool) -> Flags | None:
+    def agree(self, ck: GroupMember, local: Flags, epoch_end: bool) -> Flags | None:
         """The group's decision at this safe point, or None when it is not an agreement step."""
         if not self.agreement.due(ck.step, epoch_end):
             return None
         return self.agreement.reduce(local, ck.step)
 
     # save ------------------------------------------------------------------------------------
-    def save(self, ck: Checkpointer, reason: str) -> CheckpointInfo | None:
+    def save(self, ck: GroupMember, reason: str) -> CheckpointInfo | None:
         started = time.monotonic()
-        sharded = _sharded(ck._statefuls)
+        sharded = _sharded(ck.statefuls)
         pending: PendingCheckpoint | None = None
         message = ""
         if self.rank == 0:
-            meta = ck._meta(reason)
+            meta = ck.checkpoint_meta(reason)
             meta.update(world_size=self.world_size, sharded=sorted(sharded))
             try:
                 pending = ck.store.begin(meta)
@@ -446,14 +473,12 @@ class DistributedCoordinator:
             try:
                 if self.rank == 0:
                     assert pending is not None
-                    from .checkpointer import PAYLOAD
-
-                    with pending.open(PAYLOAD) as f:
-                        torch.save(ck._payload(exclude=set(sharded)), f)
+                    with pending.open(ck.payload_name) as f:
+                        torch.save(ck.replicated_payload(exclude=set(sharded)), f)
                 else:
                     _write_synced(tmp / RANK_FILE.format(rank=self.rank), {
                         "format": RANK_FILE_FORMAT, "rank": self.rank,
-                        "world_size": self.world_size, "step": ck.step, **ck._rng_payload()})
+                        "world_size": self.world_size, "step": ck.step, **ck.rank_payload()})
             except Exception as e:
                 error = str(e)
         failed = self._any(error is not None)
@@ -489,18 +514,18 @@ class DistributedCoordinator:
         if info_out is None:  # not rank 0: the manifest is rank 0's business
             info_out = CheckpointInfo(ck.store.ckpt_root / committed,
                                       int(committed.split("-")[1]), {})
-        ck._after_save(info_out, reason, time.monotonic() - started)
+        ck.record_save(info_out, reason, time.monotonic() - started)
         return info_out
 
     # load -------------------------------------------------------------------------------------
-    def load_latest(self, ck: Checkpointer) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    def load_latest(self, ck: GroupMember) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         """Collective: every rank loads the checkpoint rank 0 picked (verified)."""
         choice = ""
         payload: dict[str, Any] | None = None
         info: CheckpointInfo | None = None
         if self.rank == 0:
             try:
-                loaded = ck._load_latest()
+                loaded = ck.load_newest()
             except ProcckptError as e:
                 choice = f"!{e}"
             else:
@@ -523,7 +548,7 @@ class DistributedCoordinator:
         error: Exception | None = None
         try:
             if payload is None:
-                payload = ck._read_payload(info)
+                payload = ck.read_payload(info)
             payload = self._adapt(ck, info, payload)
         except Exception as e:
             error = e
@@ -536,11 +561,11 @@ class DistributedCoordinator:
             raise ProcckptError(f"rank(s) {', '.join(map(str, failed))} could not load {choice} "
                                 "(see their logs)")
         assert payload is not None
-        load_sharded(ck._statefuls, info.path, list(info.manifest.get("sharded") or []),
+        load_sharded(ck.statefuls, info.path, list(info.manifest.get("sharded") or []),
                      use_group=True)
         return info, payload
 
-    def _adapt(self, ck: Checkpointer, info: CheckpointInfo,
+    def _adapt(self, ck: GroupMember, info: CheckpointInfo,
                payload: dict[str, Any]) -> dict[str, Any]:
         """This rank's view of a checkpoint: its random streams; positions if resharding."""
         saved_world = int(info.manifest.get("world_size", 1) or 1)

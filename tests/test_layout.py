@@ -1,0 +1,72 @@
+"""The package's layout keeps its promises: no import cycles between modules, and every module
+says its job in its first line (docs/architecture.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "src" / "procckpt"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_at_module_level(path: Path) -> set[str]:
+    """The procckpt modules ``path`` imports when it is imported (or type-checked): imports at
+    module level and under ``if TYPE_CHECKING``, not the deferred ones inside functions."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    body = list(ast.parse(path.read_text()).body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.If):
+            body.extend(node.body)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m.startswith("procckpt") and m != name}
+
+
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.parent.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_no_module_imports_itself_through_others():
+    graph = {module_name(p): imports_at_module_level(p) for p in PACKAGE.rglob("*.py")}
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        if node in trail:
+            cycles.append(trail[trail.index(node):] + [node])
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
+
+
+def test_every_module_says_its_job_first():
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "__main__.py":
+            continue
+        doc = ast.get_docstring(ast.parse(path.read_text()))
+        assert doc and doc.splitlines()[0].strip(), f"{path} has no one-line docstring"
