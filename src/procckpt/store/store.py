@@ -179,15 +179,16 @@ def lasting_write_error(error: BaseException, root: Path, need: int | None = Non
                         "permissions or choose another --dir: the previous checkpoint is intact")
 
 
-def read_with_retries(path: Path, read: Any) -> Any:
-    """``read()``, tried again after a pause if it fails with an I/O error (a stale NFS
-    handle, a flaky mount); a file that is missing is not retried.
+def read_with_retries(path: Path, read: Any, pauses: tuple[float, ...] = _READ_RETRY_PAUSES,
+                      ) -> Any:
+    """``read()``, tried again after each of ``pauses`` if it fails with an I/O error (a stale
+    NFS handle, a flaky mount); a file that is missing is not retried.
 
     Raises:
         OSError: the file is missing or not a regular file (damage, not the storage's fault).
         CheckpointReadError: it could not be read after the retries.
     """
-    for pause in (*_READ_RETRY_PAUSES, None):
+    for pause in (*pauses, None):
         try:
             return read()
         except OSError as e:
@@ -457,16 +458,6 @@ def manifest_problem(manifest: Any) -> str | None:
     return None
 
 
-def _read_or_raise(path: Path) -> bytes:
-    """:func:`read_small_file`, with a read error (not a missing file) as CheckpointReadError."""
-    try:
-        return read_small_file(path)
-    except OSError as e:
-        if e.errno in _DAMAGED:
-            raise
-        raise CheckpointReadError(f"cannot read {path}: {e.strerror or e}") from e
-
-
 class CheckpointStore:
     """A checkpoint directory. ``open()`` must be called before anything else."""
 
@@ -638,14 +629,32 @@ class CheckpointStore:
         Raises:
             CheckpointReadError: it exists but cannot be read (permissions, I/O).
         """
+        manifest, _ = CheckpointStore._manifest_and_problem(path, retry)
+        return manifest
+
+    @staticmethod
+    def _manifest_and_problem(path: Path, retry: bool = True,
+                              ) -> tuple[dict[str, Any] | None, str | None]:
+        """The checkpoint's manifest if it is usable, else None and why not.
+
+        Raises:
+            CheckpointReadError: it exists but cannot be read (permissions, I/O).
+        """
         target = path / MANIFEST
+        pauses = _READ_RETRY_PAUSES if retry else ()
         try:
-            text = (read_with_retries(target, lambda: read_small_file(target)) if retry
-                    else _read_or_raise(target))
-            manifest = json.loads(text)
-        except (OSError, ValueError, UnicodeDecodeError):  # missing, a link, not JSON
-            return None
-        return manifest if manifest_problem(manifest) is None else None
+            manifest = json.loads(read_with_retries(target, lambda: read_small_file(target),
+                                                    pauses))
+        except FileNotFoundError:
+            return None, "its manifest is missing"
+        except OSError as e:
+            return None, f"its manifest is not a regular file ({e.strerror})"
+        except (ValueError, UnicodeDecodeError):
+            return None, "its manifest is not valid JSON"
+        problem = manifest_problem(manifest)
+        if problem is not None:
+            return None, f"its manifest is malformed ({problem})"
+        return manifest, None
 
     def verify(self, path: Path, *, skip_crc: frozenset[str] = frozenset()) -> str | None:
         """Return why the checkpoint at ``path`` cannot be used, or None if it is intact.
@@ -653,18 +662,9 @@ class CheckpointStore:
         ``skip_crc`` names files whose checksum the caller verifies itself (an engine that
         checksums a file while mapping it in); their presence and size are still checked.
         """
-        target = path / MANIFEST
-        try:
-            manifest = json.loads(read_with_retries(target, lambda: read_small_file(target)))
-        except FileNotFoundError:
-            return "its manifest is missing"
-        except OSError as e:
-            return f"its manifest is not a regular file ({e.strerror})"
-        except (ValueError, UnicodeDecodeError):
-            return "its manifest is not valid JSON"
-        problem = manifest_problem(manifest)
-        if problem is not None:
-            return f"its manifest is malformed ({problem})"
+        manifest, problem = self._manifest_and_problem(path)
+        if manifest is None:
+            return problem
         if manifest.get("format") != FORMAT_VERSION:
             return f"it has format {manifest.get('format')}, expected {FORMAT_VERSION}"
         for name, expect in manifest["files"].items():
