@@ -46,7 +46,7 @@ import torch
 
 from procckpt.store import checksum
 from procckpt.protocol.events import read_events
-from procckpt.training.snapshot import StreamingFileWriter
+from procckpt.training.io.writer import StreamingFileWriter
 from procckpt.training.checkpointer import Checkpointer
 
 __all__ = ["main"]
@@ -331,7 +331,7 @@ def _append_pair(a: list[float], b: list[float], pair: tuple[float, float]) -> N
 # -- 5: the GIL: writer thread vs helper process ---------------------------------------------
 _HELPER = """
 import mmap, os, sys
-from procckpt.training.snapshot import StreamingFileWriter
+from procckpt.training.io.writer import StreamingFileWriter
 src, dst = sys.argv[1], sys.argv[2]
 fd = os.open(src, os.O_RDONLY)
 mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)

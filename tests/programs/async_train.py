@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import procckpt
-from procckpt.training import snapshot
+from procckpt.training.io import writer
 
 
 def main() -> None:
@@ -35,9 +35,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.write_pause:
-        snapshot.StreamingFileWriter.pause_per_chunk = args.write_pause
+        writer.StreamingFileWriter.pause_per_chunk = args.write_pause
     if args.chunk:
-        snapshot.CHUNK = args.chunk
+        writer.CHUNK = args.chunk
 
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 16), torch.randn(args.samples, 1))

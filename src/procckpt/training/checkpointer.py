@@ -41,8 +41,10 @@ from ..errors import (EX_TEMPFAIL, CheckpointCorruptError, CheckpointReadError, 
 from ..protocol.events import append_event
 from ..log import setup_logging
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
-from .snapshot import (BackgroundSaver, MappedVerification, NotSnapshottable, WriteResult,
-                       async_wanted, detach_from_file, private_copy, write_checkpoint)
+from .io.arena import NotSnapshottable
+from .io.background import BackgroundSaver, WriteResult, async_wanted
+from .io.mapped import MappedVerification, detach_from_file, private_copy
+from .io.writer import write_checkpoint
 from ..store.store import (CheckpointInfo, CheckpointStore, DirLock, lasting_write_error,
                     read_with_retries)
 

@@ -1,4 +1,4 @@
-"""snapshot.py: the streaming writer, the host arena, background writes, mmap restores."""
+"""training/io/: the streaming writer, the host arena, background writes, mmap restores."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from procckpt import Checkpointer
-from procckpt.training import snapshot
-from procckpt.training.snapshot import (BackgroundSaver, BackgroundWriteError, HostArena,
-                               NotSnapshottable, StreamingFileWriter, async_wanted,
-                               write_checkpoint)
+from procckpt.training.io import mapped as io_mapped
+from procckpt.training.io.arena import HostArena, NotSnapshottable
+from procckpt.training.io.background import (BackgroundSaver, BackgroundWriteError, WriteResult,
+                                             async_wanted)
+from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
 from procckpt.store.store import CheckpointStore
 
 
@@ -177,7 +178,7 @@ def test_a_second_capture_waits_for_the_write_in_flight(tmp_path: Path) -> None:
     gate = threading.Event()
     order: list[str] = []
 
-    def durable(result: snapshot.WriteResult) -> None:
+    def durable(result: WriteResult) -> None:
         gate.wait(10)
         order.append(f"durable {result.info.name}")
 
@@ -289,13 +290,13 @@ def test_verify_mapped_checks_a_mapping_and_falls_back_to_reading(tmp_path: Path
     expect = info.manifest["files"]["state.pt"]
     path = info.file("state.pt")
     mapped = torch.load(path, weights_only=True, mmap=True)
-    assert snapshot._file_mapping(path, mapped["t"].data_ptr(), expect["bytes"]) is not None
-    assert snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"]) is None
+    assert io_mapped._file_mapping(path, mapped["t"].data_ptr(), expect["bytes"]) is not None
+    assert io_mapped.verify_mapped(mapped, path, expect["bytes"], expect["crc32"]) is None
     assert "fails its checksum" in str(
-        snapshot.verify_mapped(mapped, path, expect["bytes"], expect["crc32"] ^ 1))
+        io_mapped.verify_mapped(mapped, path, expect["bytes"], expect["crc32"] ^ 1))
     read = torch.load(path, weights_only=True)  # not mapped: the file is read instead
-    assert snapshot._file_mapping(path, read["t"].data_ptr(), expect["bytes"]) is None
-    assert snapshot.verify_mapped(read, path, expect["bytes"], expect["crc32"]) is None
+    assert io_mapped._file_mapping(path, read["t"].data_ptr(), expect["bytes"]) is None
+    assert io_mapped.verify_mapped(read, path, expect["bytes"], expect["crc32"]) is None
 
 
 def test_isal_and_zlib_checksums_agree() -> None:
@@ -314,7 +315,7 @@ def test_a_checkpoint_written_with_one_crc_implementation_verifies_with_the_othe
     program = """
 import sys, torch
 from procckpt.store.checksum import IMPLEMENTATION
-from procckpt.training.snapshot import write_checkpoint
+from procckpt.training.io.writer import write_checkpoint
 from procckpt.store.store import CheckpointStore
 store = CheckpointStore(sys.argv[2]).open()
 if sys.argv[1] == "write":

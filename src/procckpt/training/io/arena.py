@@ -1,0 +1,364 @@
+"""The host arena: one reusable block of host memory that a snapshot copies the state into.
+
+At a safe point :class:`HostArena` copies every tensor of the state into host memory that is
+allocated once and reused at every checkpoint (page-locked when the state lives on a GPU, so
+that the copy is an asynchronous DMA). The training goes on as soon as the copy is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import logging
+import math
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+
+__all__ = ["HostArena", "Snapshot", "NotSnapshottable"]
+
+logger = logging.getLogger(__name__)
+
+#: Storages are placed at multiples of this in the host arena (torch.save's own alignment).
+_ALIGN = 64
+#: Copies below this size are not worth starting threads for.
+_PARALLEL_COPY_MIN = 8 << 20
+#: Memory bandwidth is saturated by a few copying threads; more only take cores.
+_MAX_COPY_THREADS = 4
+
+
+class NotSnapshottable(Exception):
+    """The state holds something that cannot be copied into host buffers (sparse, quantized
+    or subclassed tensors); such a checkpoint is written synchronously instead."""
+
+
+class _Pinning(Enum):
+    NONE = "none"
+    REGISTERED = "registered"  # our own mmap, page-locked with cudaHostRegister
+    ALLOCATED = "allocated"  # torch's pinned allocator (rounds sizes up: the fallback)
+
+
+@dataclass
+class Snapshot:
+    """A copy of a payload whose tensors live in a :class:`HostArena`."""
+
+    payload: Any
+    nbytes: int
+    tensors: int
+    seconds: float
+    _events: list[Any] = field(default_factory=list, repr=False)
+
+    def wait_copied(self) -> None:
+        """Wait for asynchronous device-to-host copies (GPU state) to land."""
+        for event in self._events:
+            event.synchronize()
+        self._events = []
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    """Tensors with equal keys are the same data; they are copied (and saved) once."""
+    return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
+            tuple(t.shape), tuple(t.stride()))
+
+
+def _check_tensor(t: torch.Tensor) -> None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise NotSnapshottable(f"a {type(t).__name__} tensor subclass")
+    if t.layout != torch.strided or t.is_quantized or t.is_nested or t.device.type == "meta":
+        raise NotSnapshottable(f"a {t.layout} / quantized / nested / meta tensor")
+
+
+_ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
+          torch.Size, torch.memory_format, torch.layout)
+
+
+class HostArena:
+    """Host memory for snapshot copies: allocated at the first checkpoint, reused after.
+
+    The arena is one anonymous mapping, as large as the state's tensors (rounded to whole
+    pages), populated when it is made; only the first checkpoint (or one after the state
+    grew) pays for that. When the state has CUDA tensors the mapping is page-locked
+    (``cudaHostRegister``) so that copies from the GPU are asynchronous DMAs. Each tensor's
+    copy gets a storage of its own inside the arena, so ``torch.save`` writes exactly the
+    tensor's bytes (not a whole shared storage).
+    """
+
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.allocations = 0
+        self._mm: mmap.mmap | None = None
+        self._flat: torch.Tensor | None = None
+        self._pinning = _Pinning.NONE
+        self._signature: tuple[Any, ...] | None = None
+        self._slots: list[torch.Tensor] = []
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinning is not _Pinning.NONE
+
+    def capture(self, payload: Any) -> Snapshot:
+        """Copy ``payload`` (nested dicts/lists/tuples of tensors and plain values) into the
+        arena and return the copy. Only CUDA copies may still be in flight on return:
+        :meth:`Snapshot.wait_copied` waits for them.
+
+        Raises:
+            NotSnapshottable: a tensor that cannot be copied this way; nothing was changed.
+        """
+        started = time.perf_counter()
+        unique: dict[tuple[Any, ...], int] = {}
+        sources: list[torch.Tensor] = []
+        order: list[int] = []
+        self._collect(payload, unique, sources, order)
+        signature = tuple((s.dtype, tuple(s.shape), s.device.type) for s in sources)
+        wants_pinned = any(s.is_cuda for s in sources)
+        if signature != self._signature or wants_pinned != self.pinned:
+            self._plan(sources, wants_pinned)
+            self._signature = signature
+        slots = self._slots
+        with torch.no_grad():
+            if sources:
+                _copy_all(slots, sources)
+        events = _record_events(sources) if wants_pinned else []
+        copies = [slots[i] for i in order]
+        copies.reverse()  # popped in walk order below
+        for i, src in enumerate(sources):
+            if src.requires_grad != slots[i].requires_grad:
+                slots[i].requires_grad_(src.requires_grad)
+        rebuilt = self._rebuild(payload, copies)
+        nbytes = sum(s.untyped_storage().nbytes() for s in slots)
+        return Snapshot(rebuilt, nbytes, len(sources), time.perf_counter() - started, events)
+
+    def release(self) -> None:
+        """Give the memory back (the next capture allocates again)."""
+        self._slots = []
+        self._signature = None
+        self._free()
+
+    # -- internals ---------------------------------------------------------------------------
+    def _collect(self, obj: Any, unique: dict[tuple[Any, ...], int],
+                 sources: list[torch.Tensor], order: list[int]) -> None:
+        if isinstance(obj, torch.Tensor):
+            _check_tensor(obj)
+            key = _key(obj)
+            index = unique.get(key)
+            if index is None:
+                index = unique[key] = len(sources)
+                sources.append(obj)
+            order.append(index)
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                self._collect(value, unique, sources, order)
+        elif isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+            for value in obj:
+                self._collect(value, unique, sources, order)
+
+    def _rebuild(self, obj: Any, copies: list[torch.Tensor]) -> Any:
+        """The same structure with each tensor replaced by its copy; containers are new, so
+        that the training may change its own dicts and lists while the copy is written."""
+        if isinstance(obj, torch.Tensor):
+            copied = copies.pop()
+            if isinstance(obj, torch.nn.Parameter):
+                return torch.nn.Parameter(copied, requires_grad=obj.requires_grad)
+            return copied
+        if isinstance(obj, dict):
+            new = copy.copy(obj)  # keeps the type and attributes (state_dict's _metadata)
+            for k, value in obj.items():
+                new[k] = self._rebuild(value, copies)
+            return new
+        if isinstance(obj, list):
+            items = [self._rebuild(value, copies) for value in obj]
+            if type(obj) is list:
+                return items
+            new_list = copy.copy(obj)
+            new_list[:] = items
+            return new_list
+        if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+            items = [self._rebuild(value, copies) for value in obj]
+            if all(a is b for a, b in zip(items, obj)):
+                return obj
+            if type(obj) is tuple:
+                return tuple(items)
+            if hasattr(obj, "_make"):  # a namedtuple
+                return obj._make(items)
+            raise NotSnapshottable(f"tensors inside a {type(obj).__name__}")
+        if isinstance(obj, _ATOMS):
+            return obj
+        return copy.deepcopy(obj)  # something mutable and unusual: copy it whole
+
+    def _plan(self, sources: list[torch.Tensor], pinned: bool) -> None:
+        """Lay out one slot per tensor, growing (or re-pinning) the arena if needed."""
+        offsets = []
+        total = 0
+        for s in sources:
+            offsets.append(total)
+            total += _round_up(s.numel() * s.element_size(), _ALIGN)
+        wanted = _Pinning.REGISTERED if pinned else _Pinning.NONE
+        if total > self.capacity or (pinned != self.pinned):
+            self._allocate(total, wanted)
+        assert self._flat is not None or total == 0
+        storage = self._flat.untyped_storage() if self._flat is not None else None
+        slots = []
+        for s, offset in zip(sources, offsets):
+            nbytes = s.numel() * s.element_size()
+            if storage is None:
+                slot = torch.empty(s.shape, dtype=s.dtype)
+            else:
+                part = storage[offset:offset + nbytes]
+                slot = torch.empty(0, dtype=s.dtype).set_(part, 0, s.shape, _contiguous(s.shape))
+            slots.append(slot)
+        self._slots = slots
+        logger.debug("host arena: %d tensors, %.1f MB in %.1f MB (%s)", len(slots), total / 1e6,
+                     self.capacity / 1e6, self._pinning.value)
+
+    def _allocate(self, nbytes: int, pinning: _Pinning) -> None:
+        self._slots = []
+        self._free()
+        if nbytes == 0:
+            return
+        # Whole pages only, so the arena stays within a page of the state's size. The
+        # kernel populates it in one go (MAP_POPULATE): on the VM of BENCHMARKS.md that
+        # costs 0.4 s per GiB, against 1-3 s when the first copy faults pages in one by one
+        # (with or without transparent huge pages), and later copies are as fast.
+        size = _round_up(nbytes, mmap.PAGESIZE)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(-1, size, flags=flags)
+        flat = torch.frombuffer(mm, dtype=torch.uint8)
+        if pinning is _Pinning.REGISTERED and not _cuda_register(flat):
+            # Registration refused (e.g. a locked-memory limit): use torch's pinned allocator,
+            # which rounds up to a power of two, so say so.
+            del flat
+            mm.close()
+            mm = None
+            flat = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            pinning = _Pinning.ALLOCATED
+            logger.warning("could not page-lock the checkpoint buffer in place; using torch's "
+                           "pinned allocator, which may take up to twice the state's size")
+        self._mm, self._flat, self._pinning = mm, flat, pinning
+        self.capacity = flat.numel()
+        self.allocations += 1
+
+    def _free(self) -> None:
+        if self._flat is not None and self._pinning is _Pinning.REGISTERED:
+            _cuda_unregister(self._flat)
+        self._flat = None
+        self._pinning = _Pinning.NONE
+        if self._mm is not None:
+            with contextlib.suppress(BufferError):  # a tensor still uses it: GC frees it later
+                self._mm.close()
+            self._mm = None
+        self.capacity = 0
+
+
+def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Copy every source into its slot; this is the training's stall on a CPU-only run."""
+    flat: list[tuple[int, int, int]] = []
+    slow_dst: list[torch.Tensor] = []
+    slow_src: list[torch.Tensor] = []
+    for slot, src in zip(slots, sources):
+        if (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
+                and not src.is_neg()):
+            nbytes = src.numel() * src.element_size()
+            if nbytes:
+                flat.append((slot.data_ptr(), src.data_ptr(), nbytes))
+        else:
+            slow_dst.append(slot)
+            slow_src.append(src)
+    if slow_src:
+        cuda = any(s.is_cuda for s in slow_src)
+        foreach = getattr(torch, "_foreach_copy_", None)
+        if foreach is not None:
+            # One call for all tensors: a Python loop of copy_ calls would be a visible
+            # part of the stall for a model with thousands of tensors.
+            foreach(slow_dst, slow_src, non_blocking=cuda)
+        else:
+            for slot, src in zip(slow_dst, slow_src):
+                slot.copy_(src, non_blocking=src.is_cuda)
+    if flat:
+        _parallel_memmove(flat)
+
+
+def _copy_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(_MAX_COPY_THREADS, cores))
+
+
+def _parallel_memmove(segments: list[tuple[int, int, int]]) -> None:
+    """Copy (dst, src, nbytes) segments with glibc's memmove on a few threads.
+
+    Measured on the 2-core VM of BENCHMARKS.md, 1 GiB: torch's copy_ 72 ms, one memmove
+    66 ms (it uses non-temporal stores for large copies), two memmoves side by side 50 ms.
+    ctypes releases the GIL around the call, so the threads run in parallel. The caller
+    guarantees contiguous CPU tensors that stay alive until this returns.
+    """
+    total = sum(n for _, _, n in segments)
+    workers = _copy_threads() if total >= _PARALLEL_COPY_MIN else 1
+    share = -(-total // workers)
+    plans: list[list[tuple[int, int, int]]] = [[] for _ in range(workers)]
+    worker, room = 0, share
+    for dst, src, n in segments:
+        while n:
+            take = min(n, room)
+            plans[worker].append((dst, src, take))
+            dst, src, n, room = dst + take, src + take, n - take, room - take
+            if room == 0 and worker < workers - 1:
+                worker, room = worker + 1, share
+
+    def run(plan: list[tuple[int, int, int]]) -> None:
+        for d, s, k in plan:
+            ctypes.memmove(d, s, k)
+
+    threads = [threading.Thread(target=run, args=(plan,), daemon=True) for plan in plans[1:]]
+    for t in threads:
+        t.start()
+    run(plans[0])
+    for t in threads:
+        t.join()
+
+
+def _record_events(sources: list[torch.Tensor]) -> list[Any]:
+    """One CUDA event per device, recorded on the stream the copies were queued on."""
+    events = []
+    for device in sorted({s.device for s in sources if s.is_cuda}, key=str):
+        with torch.cuda.device(device):
+            event = torch.cuda.Event()
+            event.record()
+            events.append(event)
+    return events
+
+
+def _cuda_register(flat: torch.Tensor) -> bool:
+    try:
+        cudart = torch.cuda.cudart()
+        rc = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
+    except Exception as e:  # no CUDA runtime binding: fall back
+        logger.debug("cudaHostRegister unavailable: %s", e)
+        return False
+    return int(rc) == 0
+
+
+def _cuda_unregister(flat: torch.Tensor) -> None:
+    with contextlib.suppress(Exception):
+        torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
+
+
+def _contiguous(shape: torch.Size) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return int(math.ceil(n / multiple)) * multiple if n else 0

@@ -1,0 +1,164 @@
+"""The background saver: a snapshot in the host arena, written and committed on a writer thread.
+
+The checkpoint counts (is acknowledged to the launcher, listed, pruned against) only once it
+was fsynced and renamed into place. One write is in flight at a time: a second request waits
+for the first, so the extra host memory is one copy of the state, never two.
+
+Why a thread and not a helper process: the thread spends its time in ``os.write``, CRC-32 and
+``fsync``, which all release the GIL; ``python benchmarks/bench.py`` measures it holding the GIL
+for about a millisecond in all while it writes 1 GiB, and a Python-heavy training loop runs
+as fast beside the writer thread as beside a helper process doing the same write (the "GIL"
+table of BENCHMARKS.md). A helper process would buy nothing measurable and cost the host copy
+in shared memory, a second interpreter, and care that it never outlives (or renames a
+checkpoint after) its parent.
+
+Exit paths never lose a write in flight: the writer thread is not a daemon, so the interpreter
+waits for it at exit (also after an exception in the training script); a stop request and the
+end of training wait for it explicitly. A SIGKILL during a write leaves only a ``.tmp-ckpt-*``
+directory, which is never loaded and is removed at the next start (see store/).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ...errors import ProcckptError, UsageError
+from ...store.store import CheckpointInfo, CheckpointStore
+from .arena import HostArena, Snapshot
+from .writer import lasting_errors_explained, save_payload
+
+__all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_wanted", "ENV_ASYNC"]
+
+logger = logging.getLogger(__name__)
+
+#: Environment switch for background checkpoint writes: "0"/"false"/"off" turns them off.
+ENV_ASYNC = "PROCCKPT_ASYNC"
+
+
+def async_wanted(explicit: bool | None) -> bool:
+    """Whether checkpoints should be written in the background: the Checkpointer argument
+    wins, then ``$PROCCKPT_ASYNC``; on by default."""
+    if explicit is not None:
+        return bool(explicit)
+    value = os.environ.get(ENV_ASYNC, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise UsageError(f"bad {ENV_ASYNC}={value!r}: expected 1 (write checkpoints in the "
+                     "background) or 0 (write them synchronously)")
+
+
+class BackgroundWriteError(ProcckptError):
+    """A checkpoint written in the background failed; the previous one is still intact."""
+
+
+@dataclass
+class WriteResult:
+    """What a background write reports when its checkpoint is durable."""
+
+    info: CheckpointInfo
+    snapshot_seconds: float
+    write_seconds: float
+    gil_free_seconds: float
+
+
+class BackgroundSaver:
+    """Writes one snapshot at a time on a (non-daemon) thread.
+
+    ``capture`` copies the state into the arena (waiting first for a write in flight, whose
+    memory it reuses); ``start`` writes that copy on a new thread. ``on_durable`` runs on the
+    writer thread once the checkpoint is renamed into place (it acknowledges, logs, prunes);
+    ``on_failed`` when the write raised. :meth:`wait` raises such a failure again.
+    """
+
+    def __init__(self, store: CheckpointStore, name: str = "state.pt") -> None:
+        self.store = store
+        self.name = name
+        self.arena = HostArena()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self, *, raise_failure: bool = True) -> None:
+        """Wait for the write in flight, if any.
+
+        Raises:
+            BackgroundWriteError: the last background write failed (raised once; with
+                ``raise_failure=False`` it is only forgotten: it was logged when it happened).
+        """
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            if raise_failure:
+                raise BackgroundWriteError(
+                    f"writing a checkpoint in the background failed ({error}); the previous "
+                    f"checkpoint in {self.store.root} is intact. Set {ENV_ASYNC}=0 to write "
+                    "checkpoints synchronously"
+                ) from error
+
+    def capture(self, payload: Any) -> Snapshot:
+        """Wait for a write in flight, then copy ``payload`` into the arena.
+
+        Raises:
+            NotSnapshottable: nothing was copied; write this checkpoint synchronously.
+        """
+        self.wait(raise_failure=False)
+        return self.arena.capture(payload)
+
+    def start(self, snapshot: Snapshot, meta: dict[str, Any],
+              on_durable: Callable[[WriteResult], None],
+              on_failed: Callable[[BaseException], None]) -> None:
+        """Write ``snapshot`` as a new checkpoint on the writer thread."""
+        assert not self.in_flight, "capture() waits for the previous write"
+        thread = threading.Thread(target=self._write, name="procckpt-writer",
+                                  args=(snapshot, meta, on_durable, on_failed), daemon=False)
+        self._thread = thread
+        thread.start()
+
+    def close(self) -> None:
+        """Wait for the write in flight and give the arena's memory back."""
+        try:
+            self.wait()
+        finally:
+            self.arena.release()
+
+    def _write(self, snapshot: Snapshot, meta: dict[str, Any],
+               on_durable: Callable[[WriteResult], None],
+               on_failed: Callable[[BaseException], None]) -> None:
+        started = time.perf_counter()
+        try:
+            snapshot.wait_copied()
+            with lasting_errors_explained(self.store, snapshot.payload), \
+                    self.store.begin(meta) as pending:
+                writer = save_payload(pending, self.name, snapshot.payload)
+                info = pending.commit()
+        except BaseException as e:  # raised again by the training thread's next wait()
+            self._error = e
+            snapshot.payload = None
+            logger.error("writing a checkpoint in the background failed: %s; the previous "
+                         "checkpoint stays the one to resume from", e)
+            with contextlib.suppress(Exception):
+                on_failed(e)
+            return
+        snapshot.payload = None  # the arena is free for the next capture
+        result = WriteResult(info, snapshot.seconds, time.perf_counter() - started,
+                             writer.io_seconds)
+        try:
+            on_durable(result)
+        except BaseException as e:
+            self._error = e
+            logger.error("after writing checkpoint %s: %s", info.name, e)

@@ -1,0 +1,181 @@
+"""Loads from a memory-mapped checkpoint: checksum the mapping while the state is loaded from it.
+
+Also the helpers that give loaded tensors memory of their own once the file may go away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...store.checksum import crc32
+from .writer import tensors_of
+
+__all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy"]
+
+
+def detach_from_file(payload: Any, holders: list[Any]) -> int:
+    """Give every tensor that a stateful kept from a memory-mapped ``payload`` memory of its
+    own; return how many bytes that copied.
+
+    ``load_state_dict`` of a module copies into the module's parameters, but an optimizer
+    keeps the loaded tensors themselves. Left mapped, they would be copied page by page on
+    their first update and would keep the checkpoint file's blocks allocated after pruning
+    deletes it. ``holders`` are the statefuls: their ``state_dict()`` returns the very tensors
+    they hold, which are re-pointed (``set_``) at a private copy.
+    """
+    mapped = {t.untyped_storage().data_ptr() for t in tensors_of(payload) if t.numel()}
+    copied = 0
+    with torch.no_grad():
+        for holder in holders:
+            for t in tensors_of(holder.state_dict()):
+                if t.numel() and t.untyped_storage().data_ptr() in mapped:
+                    t.set_(t.clone())
+                    copied += t.numel() * t.element_size()
+    return copied
+
+
+def private_copy(obj: Any) -> Any:
+    """``obj`` with every tensor cloned (for loaded state that procckpt itself keeps)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        new = copy.copy(obj)
+        for k, value in obj.items():
+            new[k] = private_copy(value)
+        return new
+    if isinstance(obj, list):
+        return [private_copy(v) for v in obj]
+    if isinstance(obj, tuple) and not isinstance(obj, torch.Size):
+        items = [private_copy(v) for v in obj]
+        return obj._make(items) if hasattr(obj, "_make") else tuple(items)
+    return obj
+
+
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_madvise = _libc_madvise()
+_MADV_POPULATE_READ = 22  # Linux 5.14; older kernels answer EINVAL and faults do the work
+
+
+def _file_mapping(path: Path, address: int, size: int) -> int | None:
+    """The start of this process's mapping of ``path`` (from file offset 0, at least ``size``
+    bytes) that contains ``address``, from /proc/self/maps; None if there is none."""
+    st = os.stat(path)
+    spans: list[tuple[int, int, int]] = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 5 or int(fields[4]) != st.st_ino:
+                    continue
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end, int(fields[2], 16)))
+    except (OSError, ValueError):
+        return None
+    for start, end, offset in spans:
+        if start <= address < end:
+            # The kernel may split one mapping into several entries; they share a base.
+            base = start - offset
+            reach = max(e for s, e, o in spans if s - o == base)
+            return base if reach - base >= size else None
+    return None
+
+
+#: fadvise(WILLNEED) reads at most the device's read-ahead size per call (8 MiB here)...
+_READ_STEP = 8 << 20
+#: ...so the checksum thread keeps asking for this much ahead of itself: the disk never idles.
+_READ_AHEAD = 64 << 20
+
+
+class MappedVerification:
+    """Checksums a checkpoint file that ``torch.load(mmap=True)`` mapped in, on a thread and
+    on the mapping itself, while the caller loads from the same mapping.
+
+    Verifying first and loading after would read the file, then go over it a second time;
+    here the thread keeps the kernel reading ahead, checksums each piece as it lands in the
+    page cache (populating the mapping's page tables as it goes), and ``load_state_dict``
+    copies from pages that are already there. The caller must treat what it loaded as
+    unverified until :meth:`result` returns None, and load something else (or give up) if
+    it does not. Where the mapping cannot be found (another torch), the file is read instead.
+    """
+
+    def __init__(self, payload: Any, path: Path, nbytes: int, expected_crc: int) -> None:
+        self.path = path
+        self.nbytes = nbytes
+        self.expected_crc = expected_crc
+        self._payload = payload  # keeps the mapping alive while the thread reads it
+        self._problem: str | None = None
+        #: Set when reading failed (EIO, a stale handle), as opposed to a wrong checksum.
+        self.read_error: OSError | None = None
+        pointers = [t.untyped_storage().data_ptr() for t in tensors_of(payload)
+                    if t.untyped_storage().nbytes()]
+        self._base = (_file_mapping(path, min(pointers), nbytes)
+                      if pointers and nbytes > 0 else None)
+        # Not a daemon: it reads the mapping, which must outlive it.
+        self._thread = threading.Thread(target=self._run, name="procckpt-verify")
+        self._thread.start()
+
+    def result(self) -> str | None:
+        """Wait for the checksum; return why the file is unusable, or None if it is intact."""
+        self._thread.join()
+        self._payload = None
+        return self._problem
+
+    def _run(self) -> None:
+        from ...store.store import file_crc32
+
+        try:
+            if self._base is None:
+                crc, size = file_crc32(self.path)
+            else:
+                crc, size = self._crc_of_mapping(self._base), self.nbytes
+        except OSError as e:  # the storage's fault, not the file's: the caller stops
+            self.read_error = e
+            self._problem = f"{self.path.name} cannot be read ({e})"
+            return
+        if (crc, size) != (self.expected_crc, self.nbytes):
+            self._problem = f"{self.path.name} fails its checksum (the file is corrupt)"
+
+    def _crc_of_mapping(self, base: int) -> int:
+        n = self.nbytes
+        view = memoryview((ctypes.c_ubyte * n).from_address(base)).cast("B")
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            crc = 0
+            requested = 0
+            for start in range(0, n, _READ_STEP):
+                while requested < min(n, start + _READ_AHEAD):
+                    with contextlib.suppress(OSError):
+                        os.posix_fadvise(fd, requested, _READ_STEP, os.POSIX_FADV_WILLNEED)
+                    requested += _READ_STEP
+                length = min(_READ_STEP, n - start)
+                if _madvise is not None:  # page tables in one call, not a fault per 64 KiB
+                    _madvise(base + start, length, _MADV_POPULATE_READ)
+                crc = crc32(view[start:start + length], crc)
+            return crc
+        finally:
+            os.close(fd)
+            view.release()
+
+
+def verify_mapped(payload: Any, path: Path, nbytes: int, expected_crc: int) -> str | None:
+    """:class:`MappedVerification` without loading alongside: start it and wait."""
+    return MappedVerification(payload, path, nbytes, expected_crc).result()
