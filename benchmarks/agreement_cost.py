@@ -53,7 +53,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
     import procckpt
     from procckpt.training.distributed import RankAgreement, Flags
 
-    from procckpt.store.store import CheckpointStore
+    from procckpt.store import CheckpointStore
 
     if rank == 0:
         CheckpointStore(tmp).open()  # what `procckpt run` prepares

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from procckpt.launcher.engines.dmtcp import DmtcpEngine, find_dmtcp
 from procckpt.protocol.events import read_events
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 __all__ = ["main"]
 

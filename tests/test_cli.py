@@ -77,7 +77,7 @@ def test_status_shows_checkpoints_and_events(workdir: Path):
 def test_the_launcher_side_never_imports_torch(tmp_path: Path, argv: list[str]):
     """procckpt run/sbatch/status are the launcher: importing torch would cost seconds and
     hundreds of MB on every login node and job; only the training script imports it."""
-    from procckpt.store.store import CheckpointStore
+    from procckpt.store import CheckpointStore
 
     CheckpointStore(tmp_path / "ckpt").open()  # for status: a dir with something to show
     probe = ("import atexit, sys\n"

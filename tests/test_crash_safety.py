@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 from .conftest import PROGRAMS, PYTHON
 

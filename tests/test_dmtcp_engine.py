@@ -19,7 +19,7 @@ from procckpt.launcher.engines.dmtcp import (
     find_dmtcp,
 )
 from procckpt.errors import UsageError
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 TOOLS = DmtcpTools("dmtcp_launch", "dmtcp_restart", "dmtcp_command", "dmtcp_coordinator")
 

@@ -14,7 +14,7 @@ import pytest
 from procckpt.launcher.engines.choice import choose_engine, cuda_visible, imports_procckpt
 from procckpt.launcher.engines.dmtcp import DmtcpTools
 from procckpt.errors import UsageError
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 TOOLS = DmtcpTools("/opt/d/dmtcp_launch", "/opt/d/dmtcp_restart", "/opt/d/dmtcp_command",
                    "/opt/d/dmtcp_coordinator")

@@ -20,7 +20,7 @@ from procckpt.training.io.arena import HostArena, NotSnapshottable
 from procckpt.training.io.background import (BackgroundSaver, BackgroundWriteError, WriteResult,
                                              async_wanted)
 from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 
 class Pair(NamedTuple):
@@ -316,7 +316,7 @@ def test_a_checkpoint_written_with_one_crc_implementation_verifies_with_the_othe
 import sys, torch
 from procckpt.store.checksum import IMPLEMENTATION
 from procckpt.training.io.writer import write_checkpoint
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 store = CheckpointStore(sys.argv[2]).open()
 if sys.argv[1] == "write":
     write_checkpoint(store, {}, {"t": torch.randn(300_000)})

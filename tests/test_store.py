@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from procckpt.errors import CheckpointCorruptError, LockedError, StoreError
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 
 def commit(store: CheckpointStore, payload: bytes, **meta) -> str:

@@ -16,7 +16,7 @@ from procckpt.launcher.deadline import LocalDeadline, NoDeadline
 from procckpt.launcher.engines import Confirmation
 from procckpt.protocol.events import read_events
 from procckpt.launcher.restart import LocalRestart
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 from procckpt.launcher.supervisor import ExitReason, Supervisor
 
 

@@ -17,7 +17,7 @@ from .launcher.engines import Engine
 from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
 from .log import setup_logging
 from .launcher.restart import LocalRestart, RestartPolicy
-from .store.store import CheckpointStore
+from .store import CheckpointStore
 
 __all__ = ["main", "cli"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from .durations import format_duration
 from .errors import CheckpointReadError, StoreError
 from .protocol.events import read_events
-from .store.store import MARKER, CheckpointStore
+from .store import MARKER, CheckpointStore
 
 __all__ = ["render_status"]
 

@@ -20,7 +20,7 @@ import torch
 
 from procckpt.protocol.control import ControlChannel
 from procckpt.protocol.events import read_events
-from procckpt.store.store import CheckpointStore
+from procckpt.store import CheckpointStore
 
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "async_train.py"
 #: Settings that make each background write take a couple of seconds.

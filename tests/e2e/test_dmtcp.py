@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from procckpt.protocol.events import read_events
-from procckpt.store.store import file_crc32
+from procckpt.store import file_crc32
 
 from ..conftest import PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv, run
 

@@ -41,7 +41,7 @@ from .engines import Confirmation, Engine, RequestUndelivered
 from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from ..protocol.events import append_event
 from .restart import Decision, RestartPolicy, StopCause
-from ..store.store import CheckpointStore
+from ..store import CheckpointStore
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ..store.store import write_file_atomic
+from ..store import write_file_atomic
 
 __all__ = ["Request", "Ack", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART", "ENV_CYCLE",
            "ENV_ENGINE"]

@@ -1,12 +1,12 @@
-"""The checkpoint directory: atomic writes, manifests with checksums, lock, keep-N, fallback.
+"""The checkpoint directory: open it, list and verify its checkpoints, keep N, quarantine, fall back.
 
 Layout of a checkpoint directory::
 
     DIR/
       .procckpt                 marker: this directory belongs to procckpt (format version)
       lock                      flock()ed by the process that owns the run; says who in its text
-      events.jsonl              the journal (see events.py)
-      control/                  launcher <-> training process requests and acks (see control.py)
+      events.jsonl              the journal (see protocol/events.py)
+      control/                  launcher <-> training process requests and acks (see protocol/control.py)
       COMPLETE                  written once the training finished
       checkpoints/
         ckpt-00000007/          one directory per checkpoint, named by a sequence number
@@ -14,448 +14,40 @@ Layout of a checkpoint directory::
           MANIFEST.json         written last: sizes and CRC-32 of every payload file
         .tmp-ckpt-...           a checkpoint being written; never loaded, removed at start
 
-A checkpoint is built in a temporary directory beside its final place and renamed into place
-only after every file and the manifest are fsynced, so a crash at any moment leaves either the
-whole checkpoint or none of it under its final name. The manifest's checksums catch what the
-rename cannot: a disk or copy that later truncates or flips bits.
+A checkpoint is written through :class:`PendingCheckpoint` (pending.py) and appears under its
+final name whole or not at all. The manifest's checksums (manifest.py) catch what the rename
+cannot: a disk or copy that later truncates or flips bits.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from .checksum import crc32 as checksum_crc32
-from ..errors import (CheckpointCorruptError, CheckpointReadError, LockedError, StorageError,
-                     StoreError)
+from ..errors import CheckpointCorruptError, CheckpointReadError, StoreError
+from .files import (READ_RETRY_PAUSES, file_crc32, fsync_dir, read_small_file, read_with_retries,
+                    write_file_atomic)
+from .lock import DirLock
+from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo, manifest_problem
+from .pending import PendingCheckpoint
 
-__all__ = [
-    "CheckpointInfo",
-    "CheckpointStore",
-    "PendingCheckpoint",
-    "DirLock",
-    "FORMAT_VERSION",
-    "MANIFEST",
-    "read_with_retries",
-    "read_small_file",
-    "lasting_write_error",
-]
+__all__ = ["CheckpointStore", "MARKER", "COMPLETE"]
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
 MARKER = ".procckpt"
-MANIFEST = "MANIFEST.json"
 COMPLETE = "COMPLETE"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
-_CHUNK = 8 << 20
-#: Files procckpt writes are opened with these: a symbolic link planted inside the checkpoint
-#: dir (``lock -> /etc/passwd``) is refused instead of followed.
-_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-#: Small files procckpt reads (manifests, markers, control files) are at most this large.
-_SMALL_FILE_LIMIT = 16 << 20
-#: Errors that mean the file is missing or is not a plain file (a link, a device), i.e. the
-#: checkpoint is damaged; every other OSError on a read is the storage's fault.
-_DAMAGED = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
-#: Tries, and the pause before each retry, of a read that failed with an I/O error.
-_READ_RETRY_PAUSES = (0.2, 0.5, 1.0)
-#: Write errors that will happen again on the next try: no restart can get past them.
-_LASTING_WRITE_ERRORS = {errno.ENOSPC: "no space", errno.EDQUOT: "no space",
-                         errno.EACCES: "permission", errno.EPERM: "permission",
-                         errno.EROFS: "read-only"}
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """One committed checkpoint, as its manifest describes it."""
-
-    path: Path
-    seq: int
-    manifest: dict[str, Any]
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    @property
-    def step(self) -> int | None:
-        return self.manifest.get("step")
-
-    @property
-    def epoch(self) -> int | None:
-        return self.manifest.get("epoch")
-
-    @property
-    def nbytes(self) -> int:
-        return sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
-
-    @property
-    def created(self) -> float:
-        return float(self.manifest.get("time", 0.0))
-
-    @property
-    def metric(self) -> float | None:
-        value = self.manifest.get("metric")
-        return None if value is None else float(value)
-
-    def file(self, name: str) -> Path:
-        return self.path / name
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new entry in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def plain_name(name: object) -> bool:
-    """Whether ``name`` names a file directly inside a directory: no separator, not ``..``."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-            and "\0" not in name)
-
-
-def read_small_file(path: Path, limit: int = _SMALL_FILE_LIMIT) -> bytes:
-    """The content of the regular file ``path`` (a link, a device or a FIFO is refused with
-    ``OSError``); at most ``limit`` bytes."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.ELOOP, "not a regular file", str(path))
-        chunks = []
-        left = limit
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 20))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
-
-
-def open_new_file(path: Path, mode: str = "wb") -> IO[Any]:
-    """Create ``path``, which must not exist (not even as a link), and open it for writing."""
-    return os.fdopen(os.open(path, _NEW_FILE, 0o644), mode)
-
-
-def lasting_write_error(error: BaseException, root: Path, need: int | None = None,
-                        ) -> StorageError | None:
-    """The one-line error for a write into ``root`` that failed in a way that would fail
-    again (no space, no permission, read-only); None for any other failure."""
-    cause = error
-    while cause is not None and not isinstance(cause, OSError):
-        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
-    if cause is None or cause.errno not in _LASTING_WRITE_ERRORS:
-        return None
-    kind = _LASTING_WRITE_ERRORS[cause.errno]
-    if kind == "no space":
-        try:
-            st = os.statvfs(root)
-            free = f"{st.f_bavail * st.f_frsize:,} free"
-        except OSError:
-            free = "free space unknown"
-        needed = f"need {need:,} bytes" if need is not None else "a checkpoint needs more"
-        return StorageError(f"no space left in {root}: {needed}, {free}; make room (or lower "
-                            "--keep) and run again: the previous checkpoint is intact")
-    return StorageError(f"cannot write checkpoints in {root}: {cause.strerror}; fix its "
-                        "permissions or choose another --dir: the previous checkpoint is intact")
-
-
-def read_with_retries(path: Path, read: Any, pauses: tuple[float, ...] = _READ_RETRY_PAUSES,
-                      ) -> Any:
-    """``read()``, tried again after each of ``pauses`` if it fails with an I/O error (a stale
-    NFS handle, a flaky mount); a file that is missing is not retried.
-
-    Raises:
-        OSError: the file is missing or not a regular file (damage, not the storage's fault).
-        CheckpointReadError: it could not be read after the retries.
-    """
-    for pause in (*pauses, None):
-        try:
-            return read()
-        except OSError as e:
-            if e.errno in _DAMAGED:
-                raise
-            if pause is None:
-                raise CheckpointReadError(
-                    f"cannot read {path}: {e.strerror or e} (errno {e.errno}); nothing was "
-                    "renamed or deleted: fix the file system or permissions and run again"
-                ) from e
-            logger.warning("reading %s failed (%s); trying again", path, e.strerror or e)
-            time.sleep(pause)
-    raise AssertionError("unreachable")
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix.
-
-    The temporary file lives beside the target because rename is atomic only within one
-    filesystem; its name is unique so that two writers never share one.
-    """
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open_new_file(tmp) as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    fsync_dir(path.parent)
-
-
-class ChecksumWriter:
-    """A write-only file object that counts bytes and computes CRC-32 of what passes through."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self.crc = 0
-        self.nbytes = 0
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        self.crc = checksum_crc32(view, self.crc)
-        self.nbytes += len(view)
-        return self._raw.write(view)
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-
-def file_crc32(path: Path) -> tuple[int, int]:
-    """Return (crc32, size) of the file at ``path``, read in large chunks.
-
-    The kernel is asked to read the next chunk ahead (``POSIX_FADV_WILLNEED``) while this one
-    is checksummed, so that a cold read runs at the disk's speed, not disk + CRC.
-    """
-    crc = 0
-    size = 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb",
-                   buffering=0) as f:
-        fd = f.fileno()
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while True:
-            with contextlib.suppress(OSError, AttributeError):
-                os.posix_fadvise(fd, size + _CHUNK, _CHUNK, os.POSIX_FADV_WILLNEED)
-            n = f.readinto(buf)
-            if not n:
-                break
-            crc = checksum_crc32(view[:n], crc)
-            size += n
-    return crc, size
-
-
-class PendingCheckpoint:
-    """A checkpoint being written. Write payload files with :meth:`open` or :meth:`add_file`,
-    then :meth:`commit`; leaving the ``with`` block without a commit removes it."""
-
-    def __init__(self, store: CheckpointStore, seq: int, meta: dict[str, Any]) -> None:
-        self.store = store
-        self.seq = seq
-        self.meta = dict(meta)
-        self.tmp = store.ckpt_root / f".tmp-ckpt-{seq:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.tmp.mkdir(parents=False)
-        self.files: dict[str, dict[str, int]] = {}
-        self._committed = False
-
-    def __enter__(self) -> PendingCheckpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self._committed:
-            self.abort()
-
-    @property
-    def path(self) -> Path:
-        """The temporary directory; engines that write files themselves write here."""
-        return self.tmp
-
-    @contextlib.contextmanager
-    def open(self, name: str) -> Iterator[ChecksumWriter]:
-        """Open payload file ``name`` for writing; its size and CRC go into the manifest."""
-        _check_name(name)
-        with open_new_file(self.tmp / name) as raw:
-            writer = ChecksumWriter(raw)
-            yield writer
-            raw.flush()
-            os.fsync(raw.fileno())
-        self.files[name] = {"bytes": writer.nbytes, "crc32": writer.crc}
-
-    def add_file(self, name: str) -> None:
-        """Record a payload file that an engine already wrote into :attr:`path`."""
-        _check_name(name)
-        target = self.tmp / name
-        with open(target, "rb") as f:
-            os.fsync(f.fileno())
-        crc, size = file_crc32(target)
-        self.files[name] = {"bytes": size, "crc32": crc}
-
-    def record_file(self, name: str, nbytes: int, crc32: int) -> None:
-        """Record a payload file that an engine wrote into :attr:`path` and fsynced itself,
-        with the size and CRC-32 it computed while writing (saves reading it back)."""
-        _check_name(name)
-        self.files[name] = {"bytes": nbytes, "crc32": crc32}
-
-    def commit(self) -> CheckpointInfo:
-        """Write the manifest and rename the checkpoint into place. Durable on return."""
-        if not self.files:
-            raise StoreError("refusing to commit a checkpoint with no payload files")
-        manifest = {
-            "format": FORMAT_VERSION,
-            "seq": self.seq,
-            "time": time.time(),
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "files": self.files,
-            "bytes": sum(f["bytes"] for f in self.files.values()),
-            **self.meta,
-        }
-        with open_new_file(self.tmp / MANIFEST, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(self.tmp)
-        final = self.store.ckpt_root / f"ckpt-{self.seq:08d}"
-        if final.exists():  # another writer took this number: take the next free one
-            self.seq = self.store.next_seq()
-            manifest["seq"] = self.seq
-            write_file_atomic(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-            final = self.store.ckpt_root / f"ckpt-{self.seq:08d}"
-        os.rename(self.tmp, final)
-        fsync_dir(self.store.ckpt_root)
-        self._committed = True
-        return CheckpointInfo(final, self.seq, manifest)
-
-    def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _check_name(name: str) -> None:
-    if not plain_name(name) or name == MANIFEST or name.startswith(".tmp-"):
-        raise StoreError(f"bad payload file name {name!r}")
-
-
-@dataclass
-class DirLock:
-    """An exclusive ``flock`` on ``DIR/lock``; the kernel drops it when its holder dies,
-    so a lock left by a dead process is taken over without any clean-up."""
-
-    path: Path
-    _fd: int | None = field(default=None, repr=False)
-
-    def acquire(self, purpose: str = "run") -> None:
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise StoreError(f"{self.path} is a symbolic link, and procckpt follows no links "
-                                 "inside its checkpoint dir: remove it and run again") from e
-            raise StoreError(f"cannot open {self.path}: {e.strerror}; fix the checkpoint dir's "
-                             "permissions or choose another --dir") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise StoreError(f"{self.path} is not a regular file: remove it and run again")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
-                raise StoreError(f"cannot lock {self.path}: {e.strerror}") from e
-            holder = self.holder()
-            who = (
-                f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('purpose', 'run')})"
-                if holder
-                else "another process"
-            )
-            raise LockedError(
-                f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
-                "or use another --dir"
-            ) from e
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                "purpose": purpose}
-        try:  # who holds it, for messages; the flock alone is the lock (a full disk keeps it)
-            os.ftruncate(fd, 0)
-            os.write(fd, json.dumps(info).encode())
-        except OSError as e:
-            logger.warning("could not note this process in %s (%s); the lock holds anyway",
-                           self.path, e.strerror)
-        self._fd = fd
-
-    def holder(self) -> dict[str, Any] | None:
-        try:
-            holder = json.loads(read_small_file(self.path) or b"null")
-        except (OSError, ValueError):
-            return None
-        return holder if isinstance(holder, dict) else None
-
-    def release(self) -> None:
-        if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> DirLock:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def manifest_problem(manifest: Any) -> str | None:
-    """What is wrong with the shape of a parsed manifest, or None: every field procckpt reads
-    must have the type it expects, and every file must be a plain name in the checkpoint."""
-    if not isinstance(manifest, dict):
-        return "not an object"
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        return "no files"
-    for name, entry in files.items():
-        if not plain_name(name) or name == MANIFEST:
-            return f"file name {name!r} is not a plain name inside the checkpoint"
-        if not isinstance(entry, dict) or not all(
-                isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
-                and entry.get(k) >= 0 for k in ("bytes", "crc32")):
-            return f"entry of {name!r} has no whole-number bytes and crc32"
-    for key in ("step", "epoch", "batch", "seq", "world_size"):
-        value = manifest.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            return f"{key} is {value!r}, not a whole number"
-    dmtcp = manifest.get("dmtcp")
-    if dmtcp is not None:
-        images = dmtcp.get("images") if isinstance(dmtcp, dict) else None
-        if not isinstance(images, list) or not all(n in files for n in images):
-            return "its DMTCP images are not files of the checkpoint"
-    for key in ("time", "metric", "write_seconds"):
-        value = manifest.get(key)
-        if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            return f"{key} is {value!r}, not a number"
-    return None
 
 
 class CheckpointStore:
@@ -570,7 +162,7 @@ class CheckpointStore:
 
     def begin(self, meta: dict[str, Any]) -> PendingCheckpoint:
         """Start a new checkpoint; ``meta`` (step, epoch, reason, ...) goes into its manifest."""
-        return PendingCheckpoint(self, self.next_seq(), meta)
+        return PendingCheckpoint(self.ckpt_root, self.next_seq(), meta, self.next_seq)
 
     def prune(self) -> list[Path]:
         """Delete old checkpoints: keep the newest ``keep`` valid ones and the best one.
@@ -641,7 +233,7 @@ class CheckpointStore:
             CheckpointReadError: it exists but cannot be read (permissions, I/O).
         """
         target = path / MANIFEST
-        pauses = _READ_RETRY_PAUSES if retry else ()
+        pauses = READ_RETRY_PAUSES if retry else ()
         try:
             manifest = json.loads(read_with_retries(target, lambda: read_small_file(target),
                                                     pauses))

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CheckpointCorruptError, ProcckptError, UsageError
-from ..store.store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
 
 __all__ = [
     "Sharded",

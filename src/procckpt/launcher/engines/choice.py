@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...errors import UsageError
-from ...store.store import CheckpointStore
+from ...store import CheckpointStore
 from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
 
 __all__ = ["EngineChoice", "choose_engine", "cuda_visible", "imports_procckpt"]

@@ -47,7 +47,7 @@ from ..child import _die_with_parent as die_with_parent
 from ...durations import parse_duration
 from ...errors import ProcckptError, UsageError
 from ...protocol.events import append_event
-from ...store.store import CheckpointInfo, CheckpointStore
+from ...store import CheckpointInfo, CheckpointStore
 from . import Confirmation
 
 __all__ = ["DmtcpEngine", "DmtcpTools", "find_dmtcp", "CKPT_SIGNAL", "missing_dmtcp_message"]

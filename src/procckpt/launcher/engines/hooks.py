@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel
-from ...store.store import CheckpointStore
+from ...store import CheckpointStore
 from . import Confirmation, RequestUndelivered
 
 __all__ = ["HooksEngine"]

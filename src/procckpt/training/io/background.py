@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...errors import ProcckptError, UsageError
-from ...store.store import CheckpointInfo, CheckpointStore
+from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, Snapshot
 from .writer import lasting_errors_explained, save_payload
 

@@ -140,7 +140,7 @@ class MappedVerification:
         return self._problem
 
     def _run(self) -> None:
-        from ...store.store import file_crc32
+        from ...store import file_crc32
 
         try:
             if self._base is None:

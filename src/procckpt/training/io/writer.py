@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ...store.checksum import crc32
-from ...store.store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
+from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
 
 __all__ = ["StreamingFileWriter", "save_payload", "write_checkpoint", "lasting_errors_explained",
            "payload_bytes", "tensors_of", "CHUNK"]

@@ -1,0 +1,88 @@
+"""The checkpoint dir's lock: one run (or one ``procckpt`` command that changes it) at a time."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import LockedError, StoreError
+from .files import read_small_file
+
+__all__ = ["DirLock"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DirLock:
+    """An exclusive ``flock`` on ``DIR/lock``; the kernel drops it when its holder dies,
+    so a lock left by a dead process is taken over without any clean-up."""
+
+    path: Path
+    _fd: int | None = field(default=None, repr=False)
+
+    def acquire(self, purpose: str = "run") -> None:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise StoreError(f"{self.path} is a symbolic link, and procckpt follows no links "
+                                 "inside its checkpoint dir: remove it and run again") from e
+            raise StoreError(f"cannot open {self.path}: {e.strerror}; fix the checkpoint dir's "
+                             "permissions or choose another --dir") from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"{self.path} is not a regular file: remove it and run again")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
+                raise StoreError(f"cannot lock {self.path}: {e.strerror}") from e
+            holder = self.holder()
+            who = (
+                f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('purpose', 'run')})"
+                if holder
+                else "another process"
+            )
+            raise LockedError(
+                f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
+                "or use another --dir"
+            ) from e
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                "purpose": purpose}
+        try:  # who holds it, for messages; the flock alone is the lock (a full disk keeps it)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(info).encode())
+        except OSError as e:
+            logger.warning("could not note this process in %s (%s); the lock holds anyway",
+                           self.path, e.strerror)
+        self._fd = fd
+
+    def holder(self) -> dict[str, Any] | None:
+        try:
+            holder = json.loads(read_small_file(self.path) or b"null")
+        except (OSError, ValueError):
+            return None
+        return holder if isinstance(holder, dict) else None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> DirLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

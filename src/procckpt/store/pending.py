@@ -1,0 +1,118 @@
+"""A checkpoint being written: payload files in a temporary directory, committed by one rename.
+
+A checkpoint is built in a temporary directory beside its final place and renamed into place
+only after every file and the manifest are fsynced, so a crash at any moment leaves either the
+whole checkpoint or none of it under its final name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import StoreError
+from .files import (ChecksumWriter, file_crc32, fsync_dir, open_new_file, plain_name,
+                    write_file_atomic)
+from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo
+
+__all__ = ["PendingCheckpoint"]
+
+
+class PendingCheckpoint:
+    """A checkpoint being written. Write payload files with :meth:`open` or :meth:`add_file`,
+    then :meth:`commit`; leaving the ``with`` block without a commit removes it."""
+
+    def __init__(self, ckpt_root: Path, seq: int, meta: dict[str, Any],
+                 next_seq: Callable[[], int]) -> None:
+        self.ckpt_root = ckpt_root
+        self.seq = seq
+        self.meta = dict(meta)
+        self._next_seq = next_seq  # asked again if another writer took ``seq`` meanwhile
+        self.tmp = ckpt_root / f".tmp-ckpt-{seq:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp.mkdir(parents=False)
+        self.files: dict[str, dict[str, int]] = {}
+        self._committed = False
+
+    def __enter__(self) -> PendingCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._committed:
+            self.abort()
+
+    @property
+    def path(self) -> Path:
+        """The temporary directory; engines that write files themselves write here."""
+        return self.tmp
+
+    @contextlib.contextmanager
+    def open(self, name: str) -> Iterator[ChecksumWriter]:
+        """Open payload file ``name`` for writing; its size and CRC go into the manifest."""
+        _check_name(name)
+        with open_new_file(self.tmp / name) as raw:
+            writer = ChecksumWriter(raw)
+            yield writer
+            raw.flush()
+            os.fsync(raw.fileno())
+        self.files[name] = {"bytes": writer.nbytes, "crc32": writer.crc}
+
+    def add_file(self, name: str) -> None:
+        """Record a payload file that an engine already wrote into :attr:`path`."""
+        _check_name(name)
+        target = self.tmp / name
+        with open(target, "rb") as f:
+            os.fsync(f.fileno())
+        crc, size = file_crc32(target)
+        self.files[name] = {"bytes": size, "crc32": crc}
+
+    def record_file(self, name: str, nbytes: int, crc32: int) -> None:
+        """Record a payload file that an engine wrote into :attr:`path` and fsynced itself,
+        with the size and CRC-32 it computed while writing (saves reading it back)."""
+        _check_name(name)
+        self.files[name] = {"bytes": nbytes, "crc32": crc32}
+
+    def commit(self) -> CheckpointInfo:
+        """Write the manifest and rename the checkpoint into place. Durable on return."""
+        if not self.files:
+            raise StoreError("refusing to commit a checkpoint with no payload files")
+        manifest = {
+            "format": FORMAT_VERSION,
+            "seq": self.seq,
+            "time": time.time(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "files": self.files,
+            "bytes": sum(f["bytes"] for f in self.files.values()),
+            **self.meta,
+        }
+        with open_new_file(self.tmp / MANIFEST, "w") as f:
+            json.dump(manifest, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.tmp)
+        final = self.ckpt_root / f"ckpt-{self.seq:08d}"
+        if final.exists():  # another writer took this number: take the next free one
+            self.seq = self._next_seq()
+            manifest["seq"] = self.seq
+            write_file_atomic(self.tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            final = self.ckpt_root / f"ckpt-{self.seq:08d}"
+        os.rename(self.tmp, final)
+        fsync_dir(self.ckpt_root)
+        self._committed = True
+        return CheckpointInfo(final, self.seq, manifest)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check_name(name: str) -> None:
+    if not plain_name(name) or name == MANIFEST or name.startswith(".tmp-"):
+        raise StoreError(f"bad payload file name {name!r}")
