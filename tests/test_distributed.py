@@ -22,6 +22,7 @@ from torch import nn
 
 from procckpt import Checkpointer
 from procckpt.training import distributed as pd
+from procckpt.training.distributed import coordinator, sharded
 from procckpt.errors import ProcckptError, UsageError
 
 # -- pure parts ------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def test_dcp_metadata_loader_refuses_what_dcp_never_writes(tmp_path: Path):
     import io
 
     with pytest.raises(pickle.UnpicklingError, match="DCP itself never writes"):
-        pd._DcpMetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+        sharded._DcpMetadataUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
     assert not (tmp_path / "pwned").exists()
 
 
@@ -139,21 +140,21 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
         out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saved_at)  # type: ignore[union-attr]
 
         # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
-        real = pd._write_synced
+        real = coordinator._write_synced
 
         def broken(path: Path, obj: Any) -> None:
             raise OSError(28, "No space left on device")
 
         ckpt_b = Checkpointer(Path(root) / "b", model=nn.Linear(4, 2), save_every=0)
         if rank == 1:
-            pd._write_synced = broken  # type: ignore[assignment]
+            coordinator._write_synced = broken  # type: ignore[assignment]
         try:
             ckpt_b.save("test")
             out["b"] = "saved"
         except ProcckptError as e:
             out["b"] = str(e)
         finally:
-            pd._write_synced = real  # type: ignore[assignment]
+            coordinator._write_synced = real  # type: ignore[assignment]
 
         # C: a stop that only rank 1 wants stops both ranks, after one checkpoint; adaptive
         # agreement, 10 ms steps: the ranks agree every 20 steps (0.2 s).

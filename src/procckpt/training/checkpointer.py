@@ -45,7 +45,7 @@ from .io.arena import NotSnapshottable
 from .io.background import BackgroundSaver, WriteResult, async_wanted
 from .io.mapped import MappedVerification, detach_from_file, private_copy
 from .io.writer import write_checkpoint
-from ..store import (CheckpointInfo, CheckpointStore, DirLock, lasting_write_error,
+from ..store import (CheckpointInfo, CheckpointStore, DirLock,
                     read_with_retries)
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]

@@ -1,4 +1,4 @@
-"""Distributed runs: the ranks agree on when to checkpoint and write one atomic checkpoint.
+"""The group checkpoint: the ranks agree, write their parts of one checkpoint, and rank 0 commits it.
 
 Under ``torchrun`` or ``srun`` every rank runs its own :class:`~procckpt.Checkpointer`. A
 request (``control/request.json``, a SIGTERM, ``request_checkpoint()``) may reach one rank,
@@ -12,12 +12,9 @@ others blocked in the next gradient all-reduce, so the ranks *agree* first:
                                                       request seq, seconds per step]
     <-  every rank gets the same answer, so all save at the same step (or none does)
 
-Agreement steps are the same on every rank: each epoch end, and every ``k`` steps, where
-``k`` is fixed (``sync_every`` / ``PROCCKPT_SYNC_EVERY``) or, by default, recomputed at each
-agreement from the reduced (hence identical) seconds per step so that the group agrees about
-every :data:`AGREE_SECONDS`. docs/distributed.md has the measured cost.
+The agreement's timing is in agreement.py.
 
-One checkpoint, written by all ranks, committed by rank 0 (see store.py for the layout)::
+One checkpoint, written by all ranks, committed by rank 0 (see store/ for the layout)::
 
     checkpoints/.tmp-ckpt-N-...      rank 0 creates it and broadcasts its path
       state.pt                       rank 0: replicated state (DDP model, optimizer, progress,
@@ -44,43 +41,23 @@ from __future__ import annotations
 import io
 import logging
 import os
-import pickle
-import re
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointCorruptError, ProcckptError, UsageError
-from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from ...errors import CheckpointCorruptError, ProcckptError, UsageError
+from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
+from .sharded import load_sharded, sharded_of
 
-__all__ = [
-    "Sharded",
-    "Flags",
-    "RankAgreement",
-    "DistributedCoordinator",
-    "init_distributed",
-    "polls_control",
-    "ENV_POLL_RANKS",
-    "ENV_SYNC_EVERY",
-    "WorldSizeMismatch",
-]
+__all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for"]
 
 logger = logging.getLogger(__name__)
 
-#: Which ranks read ``control/``: "all" (default), "local0" (one per node: less load on a
-#: shared file system), or a comma-separated list of global ranks. The agreement spreads a
-#: request to the other ranks either way.
-ENV_POLL_RANKS = "PROCCKPT_POLL_RANKS"
-#: Agree every N steps instead of the adaptive default.
-ENV_SYNC_EVERY = "PROCCKPT_SYNC_EVERY"
-#: Adaptive agreement aims at one all-reduce this often (the control dir is polled as often).
-AGREE_SECONDS = 0.2
-MAX_SYNC_EVERY = 10_000
 RANK_FILE = "rank-{rank:05d}.pt"
 RANK_FILE_FORMAT = 1
 _PATH_BYTES = 4096
@@ -92,278 +69,6 @@ class WorldSizeMismatch(ProcckptError):
     exit_code = 1
 
 
-# -- setting up ----------------------------------------------------------------------------
-def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
-    """Initialise the default process group from torchrun's or srun's environment.
-
-    torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT. Under ``srun``
-    (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID) the rendezvous address is the step's first
-    node and the port is derived from the job and step ids (MASTER_ADDR / MASTER_PORT in the
-    environment win). Without either it starts nothing and returns (0, 1, 0).
-
-    Returns:
-        (rank, world_size, local_rank)
-    """
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1:
-        rank = int(env["SLURM_PROCID"])
-        world = int(env.get("SLURM_NTASKS") or env["SLURM_NPROCS"])
-        local = int(env.get("SLURM_LOCALID", 0))
-        env.setdefault("MASTER_ADDR", _slurm_first_node())
-        job = int(env.get("SLURM_JOB_ID", "0") or 0)
-        step = int(env.get("SLURM_STEP_ID", "0") or 0)
-        env.setdefault("MASTER_PORT", str(20000 + (job * 7 + step) % 20000))
-        env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local))
-    else:
-        return 0, 1, 0
-    if world > 1 and not dist.is_initialized():
-        if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world)
-    return rank, world, local
-
-
-def _slurm_first_node() -> str:
-    """The first host of the step (or job): where rank 0 runs under srun's default block
-    distribution. Read from the host list itself, so that ranks never call scontrol."""
-    nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or ""
-    return first_host(nodes) or "127.0.0.1"
-
-
-def first_host(hostlist: str) -> str:
-    """The first name of a Slurm host list: ``gpu[07-09,12],cpu1`` -> ``gpu07``."""
-    head = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", hostlist.strip())
-    if head is None:
-        return ""
-    prefix, ranges = head.group(1), head.group(2)
-    if not ranges:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
-
-
-def polls_control(rank: int, local_rank: int | None = None,
-                  spec: str | None = None) -> bool:
-    """Whether this rank reads ``control/`` (see :data:`ENV_POLL_RANKS`)."""
-    spec = (os.environ.get(ENV_POLL_RANKS, "all") if spec is None else spec).strip().lower()
-    if spec in ("", "all"):
-        return True
-    if spec == "local0":
-        local = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) or 0) \
-            if local_rank is None else local_rank
-        return local == 0
-    try:
-        chosen = {int(x) for x in spec.split(",") if x.strip()}
-    except ValueError:
-        raise UsageError(f"bad {ENV_POLL_RANKS}={spec!r}: use all, local0 or a list of ranks "
-                         "like 0,8,16") from None
-    return rank in chosen
-
-
-# -- sharded state -------------------------------------------------------------------------
-class Sharded:
-    """A model (and its optimizers) whose state is split across ranks: FSDP2 ``fully_shard``,
-    DTensor, tensor parallel. Pass it to the Checkpointer like any other state::
-
-        ckpt = procckpt.Checkpointer(train=procckpt.Sharded(model, optimizer), scheduler=sched)
-
-    In a process group it is saved with ``torch.distributed.checkpoint`` (each rank writes its
-    own shards, in parallel) and can be resharded to another world size; without one it is
-    an ordinary state dict.
-    """
-
-    def __init__(self, model: torch.nn.Module, *optimizers: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizers = optimizers
-
-    def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
-
-        if not self.optimizers:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizers)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state: dict[str, Any], /) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if not self.optimizers:
-            set_model_state_dict(self.model, state["model"])
-            return
-        set_state_dict(self.model, self.optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-
-
-def _sharded(statefuls: Mapping[str, Any]) -> dict[str, Sharded]:
-    return {name: obj for name, obj in statefuls.items() if isinstance(obj, Sharded)}
-
-
-def _safe_dcp_reader(path: Path) -> Any:
-    """A DCP reader that unpickles only DCP's own metadata classes.
-
-    DCP stores its index (``.metadata``) as a pickle and loads non-tensor values with
-    ``torch.load(weights_only=False)``. procckpt hands DCP only checkpoints whose files all
-    passed the manifest's checksums, and on top of that restricts both loads to what DCP
-    itself writes, so that a planted file cannot run code.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class _Reader(FileSystemReader):  # type: ignore[misc]
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            rank = kwargs.get("rank")
-            meta_path = self._get_metadata_path(rank)
-            with self.fs.create_stream(meta_path, "rb") as f:
-                metadata = _DcpMetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return _Reader(str(path))
-
-
-class _DcpMetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        allowed = (
-            module.startswith("torch.distributed.checkpoint.")
-            or (module == "torch" and isinstance(getattr(torch, name, None),
-                                                 (torch.dtype, torch.layout, torch.memory_format))
-                ) or (module == "torch" and name == "Size")
-            or (module == "torch.serialization" and name == "_get_layout")
-            or (module == "pathlib" and name in ("PosixPath", "PurePosixPath"))
-            or (module == "collections" and name == "OrderedDict")
-        )
-        if not allowed:
-            raise pickle.UnpicklingError(
-                f"DCP metadata refers to {module}.{name}, which DCP itself never writes")
-        return super().find_class(module, name)
-
-
-def _safe_load_planner() -> Any:
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._traverse import set_element
-    from torch.distributed.checkpoint.planner import ReadItem
-
-    class _Planner(DefaultLoadPlanner):  # type: ignore[misc]
-        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-            loaded = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                            loaded)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = loaded
-
-    return _Planner()
-
-
-def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
-                 use_group: bool) -> None:
-    """Load the :class:`Sharded` states ``names`` from checkpoint ``path`` (resharding)."""
-    targets = _sharded(statefuls)
-    missing = [n for n in names if n not in targets]
-    if missing:
-        raise ProcckptError(
-            f"checkpoint {path.name} holds sharded state {', '.join(missing)} that this script "
-            "does not pass as procckpt.Sharded(...); use the same Checkpointer arguments")
-    extra = [n for n in targets if n not in names]
-    if extra:
-        raise ProcckptError(
-            f"checkpoint {path.name} has no sharded state for {', '.join(extra)}: it was written "
-            "with other Checkpointer arguments; use a new checkpoint dir")
-    if not names:
-        return
-    # Imported only here: torch.distributed.checkpoint pulls in DTensor, torch.fx and sympy
-    # (about 0.9 s and 45 MB), which a restart without sharded state would pay for nothing.
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
-                 planner=_safe_load_planner(), no_dist=not use_group)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ProcckptError(f"cannot load the sharded state of {path.name}: {first}") from e
-
-
-# -- agreeing ------------------------------------------------------------------------------
-@dataclass
-class Flags:
-    """What one rank wants at a safe point; after the all-reduce, what the group does."""
-
-    stop: bool = False
-    checkpoint: bool = False
-    interval: bool = False
-    best: bool = False
-    epoch: bool = False
-    seq: int = 0  # the newest launcher request this rank has seen
-
-    def reason(self) -> str | None:
-        for name in ("stop", "checkpoint", "interval", "best", "epoch"):
-            if getattr(self, name):
-                return name
-        return None
-
-
-class RankAgreement:
-    """Decides, identically on every rank, at which safe points the group all-reduces.
-
-    ``every``: a fixed number of steps between agreements, or None for adaptive (about every
-    :data:`AGREE_SECONDS`, from the slowest rank's seconds per step).
-    """
-
-    def __init__(self, device: torch.device, every: int | None = None,
-                 group: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
-        if every is not None and every < 1:
-            raise UsageError(f"sync_every must be at least 1, got {every}")
-        self.device = device
-        self.every = every
-        self.group = group
-        self._clock = clock
-        self._next_step = 0
-        self._last: tuple[int, float] | None = None
-        self._per_step = 0.0
-        self.agreements = 0
-
-    def due(self, step: int, epoch_end: bool) -> bool:
-        return epoch_end or step >= self._next_step
-
-    def reduce(self, flags: Flags, step: int) -> Flags:
-        """All-reduce ``flags`` (a collective: every rank must call it at the same step)."""
-        now = self._clock()
-        if self._last is not None and step > self._last[0]:
-            # Only steps taken count: an epoch end right after a batch's agreement (same step)
-            # would otherwise look like a step of a few microseconds.
-            last_step, last_time = self._last
-            self._per_step = (now - last_time) / (step - last_step)
-        per_step = self._per_step
-        t = torch.tensor([flags.stop, flags.checkpoint, flags.interval, flags.best, flags.epoch,
-                          flags.seq, per_step], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        v = t.tolist()
-        self.agreements += 1
-        if self.every is not None:
-            k = self.every
-        elif v[6] > 0:
-            k = max(1, min(MAX_SYNC_EVERY, int(AGREE_SECONDS / v[6])))
-        else:
-            k = 1
-        self._next_step = step + k
-        if self._last is None or step > self._last[0]:
-            self._last = (step, self._clock())
-        return Flags(stop=v[0] > 0, checkpoint=v[1] > 0, interval=v[2] > 0, best=v[3] > 0,
-                     epoch=v[4] > 0, seq=int(v[5]))
-
-
-def _device_for_group(group: Any = None) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", torch.cuda.current_device())
-
-
-# -- saving and loading as a group ---------------------------------------------------------
 class GroupMember(Protocol):
     """What the coordinator needs of one rank's Checkpointer, and nothing more: the state to
     save, where it goes, and what to record once the group committed it."""
@@ -408,7 +113,7 @@ class DistributedCoordinator:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.device = _device_for_group(group)
+        self.device = device_for_group(group)
         self.agreement = RankAgreement(self.device, sync_every, group)
         self.allow_reshard = allow_reshard
 
@@ -444,7 +149,7 @@ class DistributedCoordinator:
     # save ------------------------------------------------------------------------------------
     def save(self, ck: GroupMember, reason: str) -> CheckpointInfo | None:
         started = time.monotonic()
-        sharded = _sharded(ck.statefuls)
+        sharded = sharded_of(ck.statefuls)
         pending: PendingCheckpoint | None = None
         message = ""
         if self.rank == 0:
@@ -580,7 +285,7 @@ class DistributedCoordinator:
                                saved_world)
                 # Its streams as the script seeded them, standing in for "now" and for the
                 # epoch's start (a mid-epoch resume replays the epoch from the latter).
-                from .rng import capture_rng
+                from ..rng import capture_rng
 
                 payload = {**payload, "rng": capture_rng(), "epoch_rng": capture_rng()}
             return payload
