@@ -1,0 +1,133 @@
+"""The hooks engine's checkpoint file: what ``state.pt`` holds, and loading it back into the statefuls.
+
+``state.pt`` is one ``torch.save`` of plain containers, tensors, numbers and strings, so that
+it loads with ``torch.load(weights_only=True)``::
+
+    {"format": 1,
+     "statefuls": {name: state_dict(), ...},      # model, optimizer, scheduler, ...
+     "progress": {"epoch", "batch", "step", "best_metric"},
+     "rng": {...}, "epoch_rng": {...} | None,     # see progress.py
+     "extras": {...}}                             # the script's own small values
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import ProcckptError
+from ..store import CheckpointInfo
+from .io.mapped import detach_from_file
+
+__all__ = ["PAYLOAD", "PAYLOAD_FORMAT", "Stateful", "build_payload", "checkpoint_meta",
+           "read_payload", "load_statefuls"]
+
+PAYLOAD = "state.pt"
+PAYLOAD_FORMAT = 1
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+def build_payload(statefuls: Mapping[str, Stateful], progress: dict[str, Any],
+                  streams: dict[str, Any], extras: dict[str, Any],
+                  exclude: set[str] | None = None) -> dict[str, Any]:
+    """The replicated state (rank 0's in a group), without the ``exclude`` statefuls.
+
+    Raises:
+        ProcckptError: ``extras`` holds a value a ``weights_only`` load could not read back.
+    """
+    return {
+        "format": PAYLOAD_FORMAT,
+        "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()
+                      if not exclude or name not in exclude},
+        "progress": progress,
+        **streams,
+        "extras": _checked_extras(extras),
+    }
+
+
+def checkpoint_meta(position: tuple[int, int, int], reason: str, restart: int,
+                    metric: float | None, metric_mode: str) -> dict[str, Any]:
+    """What the manifest says about a hooks checkpoint, besides its files."""
+    epoch, batch, step = position
+    return {
+        "step": step, "epoch": epoch, "batch": batch, "reason": reason,
+        "engine": "hooks", "torch": torch.__version__, "restart": restart,
+        "job_id": _job_id(), "metric": metric, "metric_mode": metric_mode,
+        "python": sys.version.split()[0], "host": socket.gethostname(),
+    }
+
+
+def read_payload(info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
+    """``state.pt`` of ``info``; ``weights_only``, so safe even before its checksum is verified.
+
+    Raises:
+        ValueError: the file is not a procckpt hooks checkpoint.
+    """
+    payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True, mmap=mmap)
+    if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
+        raise ValueError("it is not a procckpt hooks checkpoint")
+    return payload
+
+
+def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
+                   statefuls: Mapping[str, Stateful]) -> None:
+    """Load every stateful that is not sharded from a (possibly memory-mapped) payload.
+
+    Raises:
+        ProcckptError: the checkpoint has no state for one of them (another script wrote it).
+    """
+    states = payload["statefuls"]
+    sharded = set(info.manifest.get("sharded") or [])
+    missing = sorted(set(statefuls) - set(states) - sharded)
+    if missing:
+        raise ProcckptError(
+            f"checkpoint {info.name} in {info.path.parent.parent} has no state for "
+            f"{', '.join(missing)}: it was written by another script or other Checkpointer "
+            "arguments; use a new dir")
+    for name, obj in statefuls.items():
+        if name not in sharded:
+            obj.load_state_dict(states[name])
+    # Nothing may keep pointing into the mapped file (see detach_from_file). Sharded state
+    # came through DCP, not from this file (and holds DTensors, which have no storage of
+    # their own to compare).
+    detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded])
+
+
+def _checked_extras(extras: dict[str, Any]) -> dict[str, Any]:
+    """Refuse extras that a weights_only load could not read back."""
+    def check(value: Any, where: str) -> None:
+        if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
+            return
+        if isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                check(v, f"{where}[{i}]")
+            return
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(k, (str, int)):
+                    raise ProcckptError(f"extras{where}: key {k!r} must be a str or int")
+                check(v, f"{where}[{k!r}]")
+            return
+        raise ProcckptError(
+            f"extras{where} is a {type(value).__name__}; checkpoints hold only tensors, "
+            "numbers, strings, None, lists and dicts (so that they load with weights_only=True)"
+        )
+
+    check(extras, "")
+    return extras
+
+
+def _job_id() -> str | None:
+    job = os.environ.get("SLURM_JOB_ID")
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{job}_{task}" if job and task else job

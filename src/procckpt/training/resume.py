@@ -1,0 +1,93 @@
+"""Finding the checkpoint to resume from: the newest that verifies and loads, falling back loudly.
+
+The payload is memory-mapped, not read into fresh memory: its tensors are views of the page
+cache until ``load_state_dict`` copies them into the model, so a restore never holds the state
+twice. Its checksum is computed on the same mapping while the state loads (one read of the
+file); a checkpoint that fails it is quarantined and the next older one is loaded over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..errors import CheckpointCorruptError, CheckpointReadError
+from ..store import CheckpointInfo, CheckpointStore, read_with_retries
+from . import distributed as dist_
+from .io.mapped import MappedVerification
+from .payload import PAYLOAD, Stateful, read_payload
+
+__all__ = ["load_newest_verified", "single_process_view"]
+
+logger = logging.getLogger(__name__)
+
+#: Loads a payload into the statefuls; returns the payload as the caller should keep using it.
+Apply = Callable[[CheckpointInfo, dict[str, Any]], dict[str, Any]]
+
+
+def load_newest_verified(store: CheckpointStore, apply: Apply,
+                         ) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+    """Apply the newest checkpoint that verifies *and* loads safely; None if there is none.
+
+    Raises:
+        CheckpointReadError: a file cannot be read (the storage's fault): nothing is renamed.
+        CheckpointCorruptError: there are checkpoints, but none can be loaded.
+    """
+    started = time.monotonic()
+    # The payload's checksum is verified on the mapping below, before any of it is used; the
+    # other files (if any) and all sizes are checked here.
+    for info in store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
+        try:
+            payload = read_with_retries(info.file(PAYLOAD),
+                                        lambda: read_payload(info, mmap=True))  # noqa: B023
+        except CheckpointReadError:
+            raise  # the storage failed, not the checkpoint: stop, rename nothing
+        except Exception as e:  # UnpicklingError for a foreign pickle, and worse
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            store.quarantine(info.path, f"it cannot be loaded safely ({reason})")
+            continue
+        mapped = time.monotonic()
+        expect = info.manifest["files"].get(PAYLOAD, {})
+        check = MappedVerification(payload, info.file(PAYLOAD), int(expect.get("bytes", -1)),
+                                   int(expect.get("crc32", -1)))
+        try:
+            # Loading runs alongside the checksum. If the checksum then fails, the next
+            # checkpoint's load overwrites all of it, or we give up.
+            payload = apply(info, payload)
+        except Exception:
+            if check.result() is None:
+                raise  # a genuine mismatch between script and checkpoint
+        problem = check.result()
+        if check.read_error is not None:
+            error = check.read_error
+            raise CheckpointReadError(
+                f"cannot read {info.file(PAYLOAD)}: {error.strerror or error}; nothing was "
+                "renamed or deleted: fix the file system and run again")
+        if problem is not None:
+            del payload
+            store.quarantine(info.path, problem)
+            continue
+        logger.debug("%s mapped in %.2fs, loaded and verified in %.2fs", info.name,
+                     mapped - started, time.monotonic() - mapped)
+        return info, payload
+    if any(store.ckpt_root.glob("ckpt-*")):
+        raise CheckpointCorruptError(
+            f"no checkpoint in {store.ckpt_root} can be loaded (see the warnings above);"
+            " refusing to start from scratch: move the directory away to train anew")
+    return None
+
+
+def single_process_view(info: CheckpointInfo, payload: dict[str, Any],
+                        statefuls: Mapping[str, Stateful], allow_reshard: bool,
+                        ) -> dict[str, Any]:
+    """A checkpoint read outside a process group: refuse (or reshard) one of several ranks,
+    and load its sharded state; return the payload with its position rescaled if needed."""
+    saved_world = int(info.manifest.get("world_size", 1) or 1)
+    if saved_world != 1:
+        dist_.check_world_size(info, saved_world, 1, allow_reshard)
+        payload = dist_.rescale_position(payload, saved_world, 1)
+    dist_.load_sharded(statefuls, info.path, list(info.manifest.get("sharded") or []),
+                       use_group=False)
+    return payload
