@@ -137,7 +137,7 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             torch.rand(1)  # each rank's own stream moves
             if rank == 1 and i == 4:
                 ckpt.request_checkpoint(reason="rank 1 asked")
-        out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saved_at)  # type: ignore[union-attr]
+        out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saves.saved_at)  # type: ignore[union-attr]
 
         # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
         real = coordinator._write_synced

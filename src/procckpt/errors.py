@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 __all__ = [
     "ProcckptError",
     "UsageError",
@@ -12,6 +14,7 @@ __all__ = [
     "CheckpointReadError",
     "StorageError",
     "exiting",
+    "logged_exit",
     "EX_USAGE",
     "EX_IOERR",
     "EX_SOFTWARE",
@@ -84,6 +87,12 @@ class StorageError(ProcckptError):
 
 
 _EXITING: dict[type, type] = {}
+
+
+def logged_exit(error: ProcckptError, logger: logging.Logger | None = None) -> ProcckptError:
+    """Log ``error`` as the one line a user reads, and return it as :func:`exiting` does."""
+    (logger or logging.getLogger("procckpt")).error("error: %s", error)
+    return exiting(error)
 
 
 def exiting(error: ProcckptError) -> ProcckptError:

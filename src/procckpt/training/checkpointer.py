@@ -5,12 +5,11 @@
         for batch in ckpt.batches(loader):     # resumes at the exact next batch
             ...
 
-Exactness. A resumed run must draw the same random numbers as an uninterrupted one: the
-position and the random streams are kept by :class:`~procckpt.training.progress.Progress`.
-
-Safe points. The checkpointer only saves between steps: after each batch that ``batches``
-yielded, and at the end of each epoch. Signals (SIGTERM from Slurm, Kubernetes or the
-launcher) only set a flag; the save happens at the next safe point, never inside a handler.
+The Checkpointer is the front of the training side; its parts do the work: ``progress``
+(position and random streams, for exact resumes), ``triggers`` (what asks for a checkpoint),
+``saving`` (writing, in the background or not), ``resume`` and ``payload`` (what ``state.pt``
+holds). It saves only at safe points: after each batch that ``batches`` yielded, and at the
+end of each epoch.
 """
 
 from __future__ import annotations
@@ -19,23 +18,21 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
-from ..errors import EX_TEMPFAIL, ProcckptError, StorageError, exiting
+from ..errors import ProcckptError, StorageError, logged_exit
 from ..log import setup_logging
 from ..protocol import control as ctl
-from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
-from .io.arena import NotSnapshottable
-from .io.background import BackgroundSaver, WriteResult, async_wanted
+from .io.background import BackgroundSaver, async_wanted
 from .io.mapped import private_copy
-from .io.writer import write_checkpoint
-from .payload import (PAYLOAD, Stateful, build_payload, checkpoint_meta, load_statefuls,
-                      read_payload)
+from .context import DEFAULT_DIR, LaunchContext, default_dir
+from .payload import (PAYLOAD, Stateful, build_payload, checkpoint_meta, collect_statefuls,
+                      load_statefuls, read_payload)
 from .progress import Progress
-from .resume import load_newest_verified, single_process_view
+from .resume import announce_resume, load_newest_verified, single_process_view
+from .saving import Saves
 from .triggers import SaveTriggers
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -43,22 +40,12 @@ __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-DEFAULT_DIR = "procckpt-checkpoints"
 
 
-def default_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
-    """The checkpoint dir: the launcher's, else ``explicit``, else $PROCCKPT_DIR, else
-    ``./procckpt-checkpoints``."""
-    launched = os.environ.get(ctl.ENV_TOKEN) and os.environ.get(ctl.ENV_DIR)
-    if launched:
-        chosen = Path(os.environ[ctl.ENV_DIR])
-        if explicit is not None and Path(explicit).absolute() != chosen.absolute():
-            logger.warning("procckpt run chose checkpoint dir %s; ignoring %s given in the script",
-                           chosen, explicit)
-        return chosen
-    if explicit is not None:
-        return Path(explicit)
-    return Path(os.environ.get(ctl.ENV_DIR) or DEFAULT_DIR)
+def _delegated(owner: str, name: str, doc: str) -> Any:
+    """A read-write attribute that lives on one of the Checkpointer's parts."""
+    return property(lambda self: getattr(getattr(self, owner), name),
+                    lambda self, value: setattr(getattr(self, owner), name, value), doc=doc)
 
 
 class Checkpointer:
@@ -108,40 +95,25 @@ class Checkpointer:
         **stateful: Stateful,
     ) -> None:
         setup_logging()
-        named = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler}
-        self._statefuls: dict[str, Stateful] = {
-            k: v for k, v in {**named, **stateful}.items() if v is not None
-        }
-        for name, obj in self._statefuls.items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise TypeError(f"{name}={obj!r} has no state_dict()/load_state_dict()")
+        self._statefuls = collect_statefuls(model=model, optimizer=optimizer,
+                                            scheduler=scheduler, scaler=scaler, **stateful)
         if metric_mode not in ("max", "min"):
             raise ValueError(f"metric_mode must be 'max' or 'min', not {metric_mode!r}")
 
         try:
-            token = os.environ.get(ctl.ENV_TOKEN)
-            if not token and os.environ.get(ctl.ENV_ENGINE) == "dmtcp":
-                # The launcher holds the dir's lock and images this whole process; checkpoints of
-                # our own would compete with its images.
-                raise ProcckptError(
-                    "this script uses procckpt.Checkpointer, but procckpt run is checkpointing it "
-                    "with DMTCP (--engine auto could not see the script, or --engine dmtcp was "
-                    "given): run it with --engine hooks")
-            self.launched = bool(token)
+            self._context = context = LaunchContext.from_environment()
+            token = context.token
+            self.launched = context.launched
             self.dir = default_dir(dir).absolute()
             self.store = CheckpointStore(self.dir, keep=keep)
-            self.restart = _env_count(ctl.ENV_RESTART)
-            self.rank = _rank()
+            self.restart = context.restart
+            self.rank = context.rank
             self.is_writer = self.rank == 0
             self._dist = dist_.coordinator_for(sync_every, allow_reshard)
             self._member = _GroupMember(self)  # how the coordinator sees this rank
             self.allow_reshard = allow_reshard
-            self.metric_mode = metric_mode
             self.extras: dict[str, Any] = {}
             self._progress = Progress()
-            self.metric: float | None = None
-            self.best_metric: float | None = None
-            self.last_checkpoint: CheckpointInfo | None = None
             #: Seconds the last resume took to verify, load and apply the checkpoint.
             self.restore_seconds: float | None = None
 
@@ -149,10 +121,8 @@ class Checkpointer:
             control = ctl.ControlChannel(self.store.control_dir, token) if token else None
             self._triggers = SaveTriggers(
                 control, polls_control=dist_.polls_control(self.rank), answers=self.is_writer,
-                interval=interval, save_best=save_best,
+                interval=interval, save_best=save_best, metric_mode=metric_mode,
                 save_every=save_every if save_every is not None else (None if token else 1))
-            #: The position of the newest checkpoint taken (or being written).
-            self._saved_at: tuple[int, int, int] | None = None
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
             self._in_batch = False
@@ -160,6 +130,8 @@ class Checkpointer:
             self._exiting = False
             in_background = self.is_writer and self._dist is None and async_wanted(async_save)
             self._background = BackgroundSaver(self.store, PAYLOAD) if in_background else None
+            self._saves = Saves(self.store, self._background, self._triggers,
+                                is_writer=self.is_writer)
 
             if self.is_writer:
                 self.store.open()
@@ -181,44 +153,21 @@ class Checkpointer:
                     logger.warning("could not tell procckpt run that training started (%s: %s)",
                                    control.dir, e.strerror or e)
         except ProcckptError as e:
-            raise _one_line(e) from e.__cause__
+            raise logged_exit(e, logger) from e.__cause__
 
-    # -- position (see Progress) -----------------------------------------------------------
-    @property
-    def epoch(self) -> int:
-        """The epoch in progress (or next to run)."""
-        return self._progress.epoch
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        self._progress.epoch = value
-
-    @property
-    def batch(self) -> int:
-        """The number of batches of the current epoch already trained on."""
-        return self._progress.batch
-
-    @batch.setter
-    def batch(self, value: int) -> None:
-        self._progress.batch = value
+    # -- position (kept by Progress) and settings (kept by SaveTriggers) -------------------
+    epoch = _delegated("_progress", "epoch", "The epoch in progress (or next to run).")
+    batch = _delegated("_progress", "batch", "Batches of the current epoch already trained on.")
+    step = _delegated("_progress", "step", "Batches (or epochs, without batches()) done in all.")
+    interval = _delegated("_triggers", "interval", "Seconds between periodic checkpoints.")
+    metric = _delegated("_triggers", "metric", "The last metric reported.")
+    best_metric = _delegated("_triggers", "best_metric", "The best metric reported.")
+    metric_mode = _delegated("_triggers", "metric_mode", '"max" or "min": which metric is best.')
 
     @property
-    def step(self) -> int:
-        """The batches (or epochs, without batches()) done in all."""
-        return self._progress.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._progress.step = value
-
-    @property
-    def interval(self) -> float | None:
-        """Seconds between periodic checkpoints (None: none)."""
-        return self._triggers.interval
-
-    @interval.setter
-    def interval(self, value: float | None) -> None:
-        self._triggers.interval = value
+    def last_checkpoint(self) -> CheckpointInfo | None:
+        """The newest durable checkpoint (saved or resumed from)."""
+        return self._saves.last
 
     # -- public API ------------------------------------------------------------------------
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -259,7 +208,7 @@ class Checkpointer:
             iterator = progress.open_loader(loader)
         except ProcckptError as e:
             self._exiting = True
-            raise _one_line(e) from None
+            raise logged_exit(e, logger) from None
         for item in iterator:
             self._in_batch = True
             yield item
@@ -296,23 +245,11 @@ class Checkpointer:
     def report_metric(self, value: float) -> bool:
         """Record a validation metric; returns True if it is the best so far. With
         ``save_best``, a new best is saved at the next safe point and kept by pruning."""
-        value = float(value)
-        self.metric = value
-        better = (self.best_metric is None
-                  or (value > self.best_metric if self.metric_mode == "max"
-                      else value < self.best_metric))
-        if better:
-            self.best_metric = value
-            self._triggers.best_pending = self._triggers.save_best
-        return better
+        return self._triggers.report_metric(value)
 
     def request_checkpoint(self, stop: bool = False, reason: str = "script") -> None:
         """Ask for a checkpoint at the next safe point (and to exit after it with ``stop``)."""
-        if stop:
-            self._triggers.stop_reason = reason
-        else:
-            self._triggers.request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason,
-                                                 time.time())
+        self._triggers.ask(stop, reason)
 
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
         """Save now. Call only between steps (on every rank in a process group); the loops
@@ -325,7 +262,7 @@ class Checkpointer:
         try:
             return self._save(reason)
         except ProcckptError as e:
-            raise _one_line(e) from e.__cause__
+            raise logged_exit(e, logger) from e.__cause__
 
     def flush(self) -> None:
         """Wait until the checkpoint being written in the background, if any, is durable.
@@ -353,14 +290,8 @@ class Checkpointer:
             return self._dist.save(self._member, reason)
         if not self.is_writer:
             return None
-        if self._background is not None:
-            # A failed background write was logged; this checkpoint supersedes it.
-            self._background.wait(raise_failure=False)
-        started = time.monotonic()
-        info = write_checkpoint(self.store, self._meta(reason), self._payload(), PAYLOAD)
-        self.store.prune()
-        self._after_save(info, reason, time.monotonic() - started)
-        return info
+        return self._saves.write(self._meta(reason), self._payload(), reason,
+                                 self._progress.position)
 
     def _payload(self, exclude: set[str] | None = None) -> dict[str, Any]:
         progress = {"epoch": self.epoch, "batch": self.batch, "step": self.step,
@@ -371,62 +302,6 @@ class Checkpointer:
     def _meta(self, reason: str) -> dict[str, Any]:
         return checkpoint_meta(self._progress.position, reason, self.restart, self.metric,
                                self.metric_mode)
-
-    def _after_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
-        """Book-keeping after a synchronous save (a group's too, see _GroupMember)."""
-        self._triggers.last_save = time.monotonic()
-        self._saved_at = self._progress.position
-        self._record_saved(info, reason, self._saved_at, seconds)
-
-    def _save_in_background(self, reason: str) -> bool:
-        """Copy the state and write it on the writer thread; False if it must be written
-        synchronously instead. The request is acknowledged once the checkpoint is durable."""
-        assert self._background is not None
-        started = time.monotonic()
-        position = self._progress.position
-        triggers = self._triggers
-        meta = self._meta(reason)
-        try:
-            snapshot = self._background.capture(self._payload())
-        except NotSnapshottable as e:
-            logger.info("writing this checkpoint synchronously: the state holds %s", e)
-            return False
-        stall = time.monotonic() - started
-        request = triggers.take_request()
-
-        def durable(result: WriteResult) -> None:  # runs on the writer thread
-            self._record_saved(result.info, reason, position, time.monotonic() - started,
-                               stall=stall)
-            triggers.acknowledge(request, result.info, position[2], stopping=False)
-            self.store.prune()  # after the ack: the launcher need not wait for deletions
-
-        def failed(error: BaseException) -> None:  # runs on the writer thread
-            self._saved_at = None  # so that the end of training saves again
-            append_event(self.store.events_path, "checkpoint-failed", step=position[2],
-                         reason=reason, error=str(error))
-            triggers.acknowledge(request, None, position[2], stopping=False, error=str(error))
-
-        triggers.last_save = time.monotonic()
-        self._saved_at = position  # before the thread starts: failed() may reset it
-        self._background.start(snapshot, meta, durable, failed)
-        logger.debug("state copied for checkpoint in %.3fs (%.1f MB, %d tensors)", stall,
-                     snapshot.nbytes / 1e6, snapshot.tensors)
-        return True
-
-    def _record_saved(self, info: CheckpointInfo, reason: str, position: tuple[int, int, int],
-                      seconds: float, stall: float | None = None) -> None:
-        """Book-keeping once a checkpoint is durable (on the writer thread for async ones)."""
-        self.last_checkpoint = info
-        if not self.is_writer:
-            return
-        epoch, batch, step = position
-        background = {} if stall is None else {"stall": round(stall, 4), "background": True}
-        append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
-                     epoch=epoch, batch=batch, bytes=info.nbytes, seconds=round(seconds, 4),
-                     reason=reason, restart=self.restart, **background)
-        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs%s (%s)", info.name,
-                    step, epoch, info.nbytes / 1e6, seconds,
-                    "" if stall is None else f", training paused {stall:.3f}s", reason)
 
     # -- resuming --------------------------------------------------------------------------
     def _resume(self) -> CheckpointInfo | None:
@@ -449,19 +324,14 @@ class Checkpointer:
         self._progress.resume(payload["progress"], payload["rng"], payload["epoch_rng"])
         self.best_metric = payload["progress"].get("best_metric")
         self.extras = dict(payload.get("extras") or {})
-        self._saved_at = self._progress.position
+        self._saves.saved_at = self._progress.position
         saved_restart = info.manifest.get("restart")
         if isinstance(saved_restart, int):  # a rerun by hand is a restart too
             self.restart = max(self.restart, saved_restart + 1)
-        self.last_checkpoint = info
+        self._saves.last = info
         self.restore_seconds = time.monotonic() - started
-        if self.is_writer:
-            append_event(self.store.events_path, "resume", checkpoint=info.name, step=self.step,
-                         epoch=self.epoch, batch=self.batch, restart=self.restart,
-                         bytes=info.nbytes, seconds=round(self.restore_seconds, 4))
-        logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d); %.1f MB "
-                    "restored in %.2fs", info.name, self.epoch, self.batch, self.step,
-                    self.restart, info.nbytes / 1e6, self.restore_seconds)
+        announce_resume(self.store if self.is_writer else None, info, self._progress.position,
+                        self.restart, self.restore_seconds)
         return info
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
@@ -495,30 +365,23 @@ class Checkpointer:
             return
         triggers.best_pending = False
         if (self._background is not None and triggers.stop_reason is None
-                and self._save_in_background(reason)):
+                and self._saves.write_in_background(self._meta(reason), self._payload, reason,
+                                                    self._progress.position)):
             return  # acknowledged by the writer thread once durable
         try:
             info = self._save(reason)
         except StorageError as e:
             # Trying again would fail again: say so, stop, and let the launcher not restart.
-            self._answer(None, stopping=True, error=str(e))
+            self._triggers.answer(None, self.step, stopping=True, error=str(e))
             self._exiting = True
             self.close()
-            raise _one_line(e) from e.__cause__
-        self._answer(info, stopping=triggers.stop_reason is not None)
+            raise logged_exit(e, logger) from e.__cause__
+        self._triggers.answer(info, self.step, stopping=triggers.stop_reason is not None)
         if triggers.stop_reason is not None:
             self._exit_after_stop()
 
-    def _answer(self, info: CheckpointInfo | None, stopping: bool, error: str | None = None,
-                ) -> None:
-        self._triggers.acknowledge(self._triggers.take_request(), info, self.step, stopping,
-                                   error)
-
     def _exit_after_stop(self) -> None:
-        # procckpt run asks for 0: it knows from the ack that this was a planned stop, and a
-        # non-zero exit would make torchrun print a failure report for every rank.
-        code = (_env_count(ctl.ENV_STOP_EXIT) if os.environ.get(ctl.ENV_STOP_EXIT)
-                else EX_TEMPFAIL)
+        code = self._context.stop_exit_code
         logger.info("stopping after checkpoint at step %d (%s); run again to resume",
                     self.step, self._triggers.stop_reason)
         self._exiting = True
@@ -528,31 +391,20 @@ class Checkpointer:
     def _left_loop_early(self) -> None:
         """The ``epochs()`` loop was closed before its end: a ``break``, an exception, or
         our own stop. Only the first needs words: nothing marks the run complete."""
-        if self._finished or self._exiting:
-            return
-        logger.warning(
-            "the ckpt.epochs() loop was left before its end (epoch %d, step %d): no final "
-            "checkpoint was saved and the run is not marked complete, so running the script "
-            "again resumes from the last checkpoint; to end training early, call ckpt.finish() "
-            "before break", self.epoch, self.step)
+        if not (self._finished or self._exiting):
+            self._progress.warn_left_early()
 
     def _finish(self) -> None:
         if self._finished:
             return
         self._finished = True
-        if self._background is not None:  # the checkpoint being written is the one to compare
-            self._background.wait(raise_failure=False)
-        info = self.last_checkpoint
-        if self._saved_at != self._progress.position or info is None:
+        self._saves.wait()  # the checkpoint being written is the one to compare
+        info = self._saves.last
+        if self._saves.saved_at != self._progress.position or info is None:
             info = self.save("end")
-        control = self._triggers.control
-        if self.is_writer:
-            self.store.mark_complete(step=self.step, epoch=self.epoch,
-                                     checkpoint=info.name if info else None,
-                                     token=control.token if control else None)
-            append_event(self.store.events_path, "complete", step=self.step, epoch=self.epoch)
+        self._saves.mark_complete(self._progress.position, info)
         if self._triggers.request is not None or self._triggers.stop_reason is not None:
-            self._answer(info, stopping=True)
+            self._triggers.answer(info, self.step, stopping=True)
 
 
 class _GroupMember:
@@ -583,41 +435,11 @@ class _GroupMember:
         return self._ck._progress.saved_state()
 
     def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
-        self._ck._after_save(info, reason, seconds)
+        ck = self._ck
+        ck._saves.taken(info, reason, ck._progress.position, ck.restart, seconds)
 
     def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return self._ck._load_latest()
 
     def read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
         return read_payload(info)
-
-
-def _one_line(error: ProcckptError) -> ProcckptError:
-    """Log ``error`` as the one line a user reads, and make it end the process with its exit
-    code (no traceback) unless the script catches it."""
-    logger.error("error: %s", error)
-    return exiting(error)
-
-
-def _env_count(name: str) -> int:
-    """A count the launcher passes in the environment; 0, with a warning, if it is not one."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return 0
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        logger.warning("ignoring %s=%r: expected a whole number (it is set by procckpt run)",
-                       name, text)
-        return 0
-    return value
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0") or 0)

@@ -25,7 +25,7 @@ from ..store import CheckpointInfo
 from .io.mapped import detach_from_file
 
 __all__ = ["PAYLOAD", "PAYLOAD_FORMAT", "Stateful", "build_payload", "checkpoint_meta",
-           "read_payload", "load_statefuls"]
+           "read_payload", "load_statefuls", "collect_statefuls"]
 
 PAYLOAD = "state.pt"
 PAYLOAD_FORMAT = 1
@@ -35,6 +35,19 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any], /) -> Any: ...
+
+
+def collect_statefuls(**given: Stateful | None) -> dict[str, Stateful]:
+    """The statefuls a Checkpointer was given, by name, without the ones left out (None).
+
+    Raises:
+        TypeError: one of them has no ``state_dict()``/``load_state_dict()``.
+    """
+    statefuls = {name: obj for name, obj in given.items() if obj is not None}
+    for name, obj in statefuls.items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"{name}={obj!r} has no state_dict()/load_state_dict()")
+    return statefuls
 
 
 def build_payload(statefuls: Mapping[str, Stateful], progress: dict[str, Any],

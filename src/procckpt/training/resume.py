@@ -14,12 +14,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointReadError
+from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, read_with_retries
 from . import distributed as dist_
 from .io.mapped import MappedVerification
 from .payload import PAYLOAD, Stateful, read_payload
 
-__all__ = ["load_newest_verified", "single_process_view"]
+__all__ = ["load_newest_verified", "single_process_view", "announce_resume"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,17 @@ def load_newest_verified(store: CheckpointStore, apply: Apply,
             f"no checkpoint in {store.ckpt_root} can be loaded (see the warnings above);"
             " refusing to start from scratch: move the directory away to train anew")
     return None
+
+
+def announce_resume(store: CheckpointStore | None, info: CheckpointInfo,
+                    position: tuple[int, int, int], restart: int, seconds: float) -> None:
+    """Log the resume, and journal it in ``store`` (the writing rank's) for ``procckpt status``."""
+    epoch, batch, step = position
+    if store is not None:
+        append_event(store.events_path, "resume", checkpoint=info.name, step=step, epoch=epoch,
+                     batch=batch, restart=restart, bytes=info.nbytes, seconds=round(seconds, 4))
+    logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d); %.1f MB restored "
+                "in %.2fs", info.name, epoch, batch, step, restart, info.nbytes / 1e6, seconds)
 
 
 def single_process_view(info: CheckpointInfo, payload: dict[str, Any],

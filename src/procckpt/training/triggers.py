@@ -2,7 +2,7 @@
 
 A checkpoint is wanted when the launcher asks (``control/request.json``), a signal arrives, the
 script calls ``request_checkpoint()``, the interval is up, an epoch ends (``save_every``) or the
-metric improved. Signals only set a flag: the save happens at the next safe point, never inside
+metric improved (:meth:`SaveTriggers.report_metric`). Signals only set a flag: the save happens at the next safe point, never inside
 a handler. In a process group these wishes are only this rank's; the group acts on what the
 rank agreement reduced them to (``adopt``).
 """
@@ -37,19 +37,34 @@ class SaveTriggers:
 
     def __init__(self, control: ctl.ControlChannel | None, *, polls_control: bool,
                  answers: bool, interval: float | None, save_every: int | None,
-                 save_best: bool) -> None:
+                 save_best: bool, metric_mode: str = "max") -> None:
         self.control = control
         self.polls_control = polls_control
         self.answers = answers
         self.interval = interval
         self.save_every = save_every
         self.save_best = save_best
+        self.metric_mode = metric_mode
+        self.metric: float | None = None
+        self.best_metric: float | None = None
         #: Why the process is to stop after its next checkpoint (a signal, the launcher).
         self.stop_reason: str | None = None
         self.request: ctl.Request | None = None
         self.best_pending = False
         self.last_save = time.monotonic()
         self._next_poll = 0.0
+
+    def report_metric(self, value: float) -> bool:
+        """Note a validation metric; True if it is the best so far (then, with ``save_best``,
+        a checkpoint is wanted at the next safe point)."""
+        value = float(value)
+        self.metric = value
+        best = self.best_metric
+        better = best is None or (value > best if self.metric_mode == "max" else value < best)
+        if better:
+            self.best_metric = value
+            self.best_pending = self.save_best
+        return better
 
     def install_signal_handlers(self) -> None:
         """SIGTERM asks for a stop at the next safe point, unless the script (or its launcher,
@@ -63,6 +78,13 @@ class SaveTriggers:
             self.stop_reason = signal.Signals(signum).name  # only record
 
         signal.signal(signal.SIGTERM, on_term)
+
+    def ask(self, stop: bool, reason: str) -> None:
+        """The script asks for a checkpoint at the next safe point (and a stop after it)."""
+        if stop:
+            self.stop_reason = reason
+        else:
+            self.request = ctl.Request("", 0, ctl.ACTION_CHECKPOINT, reason, time.time())
 
     def poll(self, now: float) -> None:
         """Read the launcher's newest request, at most every :data:`POLL_SECONDS`."""
@@ -110,6 +132,11 @@ class SaveTriggers:
         """The request a checkpoint about to be taken answers; it is no longer pending."""
         request, self.request = self.request, None
         return request
+
+    def answer(self, info: CheckpointInfo | None, step: int, stopping: bool,
+               error: str | None = None) -> None:
+        """Acknowledge the pending request (if any) with ``info``; it is no longer pending."""
+        self.acknowledge(self.take_request(), info, step, stopping, error)
 
     def acknowledge(self, request: ctl.Request | None, info: CheckpointInfo | None, step: int,
                     stopping: bool, error: str | None = None) -> None:

@@ -1,0 +1,136 @@
+"""One process's checkpoints: written now or in the background, and recorded once durable.
+
+A checkpoint written in the background counts (is acknowledged to the launcher, journalled,
+pruned against) only from the moment it is durable; until then the previous one is the one to
+resume from. The events journal gets one ``checkpoint`` line per durable checkpoint, with its
+size and how long it took (and how long training paused, for a background one).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..protocol.events import append_event
+from ..store import CheckpointInfo, CheckpointStore
+from .io.arena import NotSnapshottable
+from .io.background import BackgroundSaver, WriteResult
+from .io.writer import write_checkpoint
+from .payload import PAYLOAD
+from .triggers import SaveTriggers
+
+__all__ = ["Saves"]
+
+logger = logging.getLogger(__name__)
+
+Position = tuple[int, int, int]
+
+
+class Saves:
+    """Writes the checkpoints of the process that writes them (rank 0, or the only one).
+
+    Args:
+        background: the background saver, or None to write every checkpoint synchronously.
+        triggers: told when a checkpoint was taken, and which request it answers.
+    """
+
+    def __init__(self, store: CheckpointStore, background: BackgroundSaver | None,
+                 triggers: SaveTriggers, *, is_writer: bool) -> None:
+        self.store = store
+        self.background = background
+        self.triggers = triggers
+        self.is_writer = is_writer
+        #: The newest durable checkpoint.
+        self.last: CheckpointInfo | None = None
+        #: The position of the newest checkpoint taken (or being written).
+        self.saved_at: Position | None = None
+
+    def write(self, meta: dict[str, Any], payload: dict[str, Any], reason: str,
+              position: Position) -> CheckpointInfo:
+        """Write a checkpoint now; durable and pruned against on return.
+
+        Raises:
+            StorageError: no space or no permission (the previous checkpoint is intact).
+        """
+        if self.background is not None:
+            # A failed background write was logged; this checkpoint supersedes it.
+            self.background.wait(raise_failure=False)
+        started = time.monotonic()
+        info = write_checkpoint(self.store, meta, payload, PAYLOAD)
+        self.store.prune()
+        self.taken(info, reason, position, meta.get("restart", 0), time.monotonic() - started)
+        return info
+
+    def taken(self, info: CheckpointInfo, reason: str, position: Position, restart: int,
+              seconds: float) -> None:
+        """Book-keeping after a synchronous checkpoint (a group's too)."""
+        self.triggers.last_save = time.monotonic()
+        self.saved_at = position
+        self.record(info, reason, position, restart, seconds)
+
+    def write_in_background(self, meta: dict[str, Any], payload: Callable[[], dict[str, Any]],
+                            reason: str, position: Position) -> bool:
+        """Copy the state and write it on the writer thread; False if it must be written
+        synchronously instead. The request is acknowledged once the checkpoint is durable."""
+        assert self.background is not None
+        started = time.monotonic()
+        triggers = self.triggers
+        try:
+            snapshot = self.background.capture(payload())
+        except NotSnapshottable as e:
+            logger.info("writing this checkpoint synchronously: the state holds %s", e)
+            return False
+        stall = time.monotonic() - started
+        request = triggers.take_request()
+        restart = meta.get("restart", 0)
+
+        def durable(result: WriteResult) -> None:  # runs on the writer thread
+            self.record(result.info, reason, position, restart, time.monotonic() - started,
+                        stall=stall)
+            triggers.acknowledge(request, result.info, position[2], stopping=False)
+            self.store.prune()  # after the ack: the launcher need not wait for deletions
+
+        def failed(error: BaseException) -> None:  # runs on the writer thread
+            self.saved_at = None  # so that the end of training saves again
+            append_event(self.store.events_path, "checkpoint-failed", step=position[2],
+                         reason=reason, error=str(error))
+            triggers.acknowledge(request, None, position[2], stopping=False, error=str(error))
+
+        triggers.last_save = time.monotonic()
+        self.saved_at = position  # before the thread starts: failed() may reset it
+        self.background.start(snapshot, meta, durable, failed)
+        logger.debug("state copied for checkpoint in %.3fs (%.1f MB, %d tensors)", stall,
+                     snapshot.nbytes / 1e6, snapshot.tensors)
+        return True
+
+    def record(self, info: CheckpointInfo, reason: str, position: Position, restart: int,
+               seconds: float, stall: float | None = None) -> None:
+        """A checkpoint is durable: journal and log it (on the writer thread for async ones)."""
+        self.last = info
+        if not self.is_writer:
+            return
+        epoch, batch, step = position
+        background = {} if stall is None else {"stall": round(stall, 4), "background": True}
+        append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
+                     epoch=epoch, batch=batch, bytes=info.nbytes, seconds=round(seconds, 4),
+                     reason=reason, restart=restart, **background)
+        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs%s (%s)", info.name,
+                    step, epoch, info.nbytes / 1e6, seconds,
+                    "" if stall is None else f", training paused {stall:.3f}s", reason)
+
+    def mark_complete(self, position: Position, info: CheckpointInfo | None) -> None:
+        """Training ended with checkpoint ``info``: a rerun has nothing left to do."""
+        if not self.is_writer:
+            return
+        epoch, _, step = position
+        control = self.triggers.control
+        self.store.mark_complete(step=step, epoch=epoch, checkpoint=info.name if info else None,
+                                 token=control.token if control else None)
+        append_event(self.store.events_path, "complete", step=step, epoch=epoch)
+
+    def wait(self) -> None:
+        """Wait for a background write in flight; its failure was logged already."""
+        if self.background is not None:
+            self.background.wait(raise_failure=False)
