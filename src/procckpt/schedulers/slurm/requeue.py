@@ -1,0 +1,100 @@
+"""After a checkpointed stop in a Slurm job: why the job is stopping, and whether to requeue it."""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from ...errors import EX_TEMPFAIL
+from ...launcher.config import RunConfig
+from ...launcher.restart import Decision, LocalRestart, StopCause, Verdict
+from .deadline import NEAR_END, SlurmDeadline
+from .job import SlurmJob
+
+__all__ = ["StopKind", "SlurmRequeue"]
+
+logger = logging.getLogger(__name__)
+
+
+class StopKind(enum.Enum):
+    TIME_LIMIT = "time limit"
+    PREEMPTION = "preemption"
+    CANCEL = "cancel"
+    LOCAL_LIMIT = "local time limit"
+
+
+class SlurmRequeue:
+    """Decides, after a checkpointed stop, whether to requeue the job, and does it."""
+
+    def __init__(self, job: SlurmJob, deadline: SlurmDeadline, config: RunConfig) -> None:
+        self.job = job
+        self.deadline = deadline
+        self.config = config
+        self.checkpoint_signal = "SIG" + config.checkpoint_signal
+        self.chain = job.env.chain_position
+        # In a chain each task is the next cycle of the same training.
+        self.initial_restarts = (job.env.restart_count if self.chain is None
+                                 else job.env.restart_count + self.chain[0] - 1)
+        self._local = LocalRestart(config.max_restarts)
+
+    def classify(self, cause: StopCause, signal_name: str | None) -> StopKind:
+        if cause is StopCause.DEADLINE:
+            left = self.deadline.seconds_left()
+            slurm_near = left is not None and left <= self.config.grace_for(
+                self.deadline.limit) + NEAR_END
+            if self.deadline.local_limit is not None and not slurm_near:
+                return StopKind.LOCAL_LIMIT
+            return StopKind.TIME_LIMIT
+        if signal_name == self.checkpoint_signal and signal_name != "SIGTERM":
+            return StopKind.TIME_LIMIT  # Slurm's --signal=B:SIG@T warning
+        left = self.deadline.seconds_left()
+        if left is not None and left <= NEAR_END:
+            return StopKind.TIME_LIMIT
+        record = self.job.record()
+        if record is not None and record.preempted:
+            return StopKind.PREEMPTION
+        return StopKind.CANCEL
+
+    def after_stop(self, cause: StopCause, signal_name: str | None, restarts: int) -> Verdict:
+        kind = self.classify(cause, signal_name)
+        label = self.job.env.label
+        if kind is StopKind.LOCAL_LIMIT:
+            return self._local.after_stop(cause, signal_name, restarts)
+        if kind is StopKind.CANCEL:
+            return Verdict(Decision.EXIT_RETRY,
+                           f"{label} was stopped by {signal_name or 'a signal to the command'} "
+                           "with no time limit near and no preemption (scancel?): not "
+                           "requeued. The checkpoint is kept: submit the job again to resume")
+        why = "its time limit is near" if kind is StopKind.TIME_LIMIT else "it is preempted"
+        if self.chain is not None:
+            task, last = self.chain
+            if task < last:
+                return Verdict(Decision.REQUEUED,
+                               f"{label} stopped ({why}), chain task {task} of {last}; the "
+                               "next task resumes from the checkpoint")
+            return Verdict(Decision.BUDGET_EXHAUSTED,
+                           f"{label} stopped ({why}) and was the last of {last} chain tasks, "
+                           "but the training has not finished; the checkpoint is kept: submit "
+                           "again (with a longer --chain) to continue")
+        if restarts >= self.config.max_restarts:
+            return Verdict(Decision.BUDGET_EXHAUSTED,
+                           f"restart budget exhausted: {label} has used {restarts} of "
+                           f"--max-restarts {self.config.max_restarts} (SLURM_RESTART_COUNT), "
+                           "so it is not requeued again. The checkpoint is kept: submit again, "
+                           "or raise --max-restarts, to continue")
+        if not self.job.has("scontrol"):
+            return Verdict(Decision.EXIT_RETRY,
+                           f"{label} stopped ({why}) but scontrol is not available here "
+                           f"(inside a container?), so procckpt cannot requeue it; exiting with "
+                           f"{EX_TEMPFAIL} so that the job script outside can requeue")
+        logger.info("%s: %s; requeueing it (restart %d of %d)", label, why, restarts + 1,
+                    self.config.max_restarts)
+        done, message = self.job.requeue()
+        if not done:
+            return Verdict(Decision.EXIT_RETRY,
+                           f"scontrol requeue {self.job.env.requeue_target} failed: {message}. "
+                           "The checkpoint is kept: submit the job again to resume (if the "
+                           "site forbids requeue, use procckpt sbatch --chain N)")
+        return Verdict(Decision.REQUEUED,
+                       f"requeued {label} ({why}); restart {restarts + 1} of "
+                       f"{self.config.max_restarts} resumes from the checkpoint")
