@@ -14,8 +14,8 @@ from procckpt.launcher.engines.dmtcp import (
     DmtcpEngine,
     DmtcpError,
     DmtcpTools,
-    _clean_env,
-    _saved_files,
+    clean_env,
+    saved_files,
     find_dmtcp,
 )
 from procckpt.errors import UsageError
@@ -50,7 +50,7 @@ def test_checkpoint_signal_is_off_usr1_and_usr2():
 
 
 def test_a_users_dmtcp_settings_never_reach_our_coordinator_commands():
-    env = _clean_env({"DMTCP_COORD_PORT": "7779", "DMTCP_COORD_HOST": "elsewhere",
+    env = clean_env({"DMTCP_COORD_PORT": "7779", "DMTCP_COORD_HOST": "elsewhere",
                       "DMTCP_CHECKPOINT_INTERVAL": "60", "PATH": "/bin"})
     assert env == {"PATH": "/bin"}
 
@@ -61,11 +61,11 @@ def test_only_the_saved_files_of_this_checkpoint_are_kept(tmp_path: Path):
     (files / "fd-info.txt").write_text("gconv-modules.cache_2:/usr/lib/gconv/gconv-modules.cache\n")
     (files / "gconv-modules.cache_1").write_bytes(b"left from the restore of this cycle")
     (files / "gconv-modules.cache_2").write_bytes(b"saved for this checkpoint")
-    assert [p.name for p in _saved_files(files)] == ["fd-info.txt", "gconv-modules.cache_2"]
+    assert [p.name for p in saved_files(files)] == ["fd-info.txt", "gconv-modules.cache_2"]
     (files / "fd-info.txt").unlink()
-    assert [p.name for p in _saved_files(files)] == ["gconv-modules.cache_1",
+    assert [p.name for p in saved_files(files)] == ["gconv-modules.cache_1",
                                                      "gconv-modules.cache_2"]
-    assert _saved_files(tmp_path / "missing") == []
+    assert saved_files(tmp_path / "missing") == []
 
 
 @pytest.fixture
@@ -89,13 +89,13 @@ def test_images_are_complete_once_the_restart_script_is_executable(engine: Dmtcp
     (engine.images / "ckpt_a_1.dmtcp").write_bytes(b"image a")
     (engine.images / "ckpt_b_2.dmtcp").write_bytes(b"image b")
     script = restart_script(engine, ["ckpt_a_1.dmtcp", "ckpt_b_2.dmtcp"], executable=False)
-    assert engine._finished_script() is None, "still being written by the coordinator"
+    assert engine.image_dir.finished_script() is None, "still being written by the coordinator"
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
-    assert engine._finished_script() == script
-    assert engine._image_names(script) == ["ckpt_a_1.dmtcp", "ckpt_b_2.dmtcp"]
+    assert engine.image_dir.finished_script() == script
+    assert engine.image_dir.image_names(script) == ["ckpt_a_1.dmtcp", "ckpt_b_2.dmtcp"]
     (engine.images / "ckpt_b_2.dmtcp").unlink()
     with pytest.raises(DmtcpError, match="missing"):
-        engine._image_names(script)
+        engine.image_dir.image_names(script)
 
 
 def commit(store: CheckpointStore, engine: str, name: str = "ckpt_x.dmtcp") -> str:

@@ -14,7 +14,7 @@ Signals the launcher handles (the one table; README.md repeats it for users):
 
 USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
 internally, so the request reaches the training process through ``control/`` instead. Under
-``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp.py).
+``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp/engine.py).
 Handlers only record the signal (via the wakeup pipe); the loop below acts on it.
 """
 

@@ -31,26 +31,24 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import signal
-import stat
 import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from ..child import _die_with_parent as die_with_parent
-from ...durations import parse_duration
-from ...errors import ProcckptError, UsageError
-from ...protocol.events import append_event
-from ...store import CheckpointInfo, CheckpointStore
-from . import Confirmation
+from ....durations import parse_duration
+from ....errors import UsageError
+from ....protocol.events import append_event
+from ....store import CheckpointInfo, CheckpointStore
+from .. import Confirmation
+from .coordinator import Coordinator
+from .images import ImageDir, restore_saved_files
+from .tools import DmtcpError, DmtcpTools
 
-__all__ = ["DmtcpEngine", "DmtcpTools", "find_dmtcp", "CKPT_SIGNAL", "missing_dmtcp_message"]
+__all__ = ["DmtcpEngine", "CKPT_SIGNAL"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,58 +65,6 @@ AFTER_EXIT_WAIT_S = 10.0
 ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
 #: Overrides the restore time limit (a duration: 90s, 10m) for slow filesystems.
 ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
-_GIVEN_FILES_RE = re.compile(r'^given_ckpt_files="([^"]*)"', re.MULTILINE)
-_PEERS_RE = re.compile(r"NUM_PEERS=(\d+)")
-_RUNNING_RE = re.compile(r"RUNNING=(yes|no)")
-
-
-class DmtcpError(ProcckptError):
-    """DMTCP could not be started or driven."""
-
-
-def missing_dmtcp_message(reason: str) -> str:
-    return (f"{reason}, but dmtcp_launch is not on PATH: on a cluster try `module load dmtcp`; "
-            "elsewhere build DMTCP from https://github.com/dmtcp/dmtcp (./configure && make && "
-            "make install), or use --engine hooks")
-
-
-@dataclass(frozen=True)
-class DmtcpTools:
-    """Where the DMTCP programs are; all four come from one installation."""
-
-    launch: str
-    restart: str
-    command: str
-    coordinator: str
-
-    def version(self) -> str:
-        try:
-            out = subprocess.run([self.launch, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        except (OSError, subprocess.SubprocessError):
-            return "unknown"
-        first = out.splitlines()[0] if out else ""
-        return first.rsplit(" ", 1)[-1] if first else "unknown"
-
-
-def find_dmtcp(path: str | None = None) -> DmtcpTools | None:
-    """The DMTCP installation on ``path`` (default $PATH), or None if ``dmtcp_launch`` is missing.
-
-    The other programs are taken from ``dmtcp_launch``'s own directory when they are there, so
-    that one run never mixes two installed versions.
-    """
-    launch = shutil.which("dmtcp_launch", path=path)
-    if launch is None:
-        return None
-    home = Path(launch).parent
-    found: list[str] = []
-    for name in ("dmtcp_restart", "dmtcp_command", "dmtcp_coordinator"):
-        sibling = home / name
-        where = str(sibling) if os.access(sibling, os.X_OK) else shutil.which(name, path=path)
-        if where is None:
-            return None
-        found.append(where)
-    return DmtcpTools(launch, *found)
 
 
 @dataclass
@@ -139,8 +85,7 @@ class _Cycle:
     """What the engine knows about the cycle in progress."""
 
     token: str
-    port: int
-    coordinator: subprocess.Popen[bytes]
+    coordinator: Coordinator
     restored_from: CheckpointInfo | None
     pid: int | None = None
     running: threading.Event = field(default_factory=threading.Event)
@@ -174,6 +119,7 @@ class DmtcpEngine:
         self.work = store.root / "dmtcp"
         self.images = self.work / "images"
         self.port_file = self.work / "coord-port"
+        self.image_dir = ImageDir(self.images)
         self._run = run
         self._version: str | None = None
         self._command: list[str] = []
@@ -196,9 +142,11 @@ class DmtcpEngine:
         self._reset_work_dir()
         image = self._newest_image()
         if image is not None:
-            self._restore_saved_files(image)
-        coordinator, port = self._start_coordinator()
-        self._cycle = _Cycle(token, port, coordinator, image)
+            restore_saved_files(image, self.images)
+        coordinator = Coordinator.start(self.tools, self.work, self.images, self.port_file,
+                                        self._run)
+        port = coordinator.port
+        self._cycle = _Cycle(token, coordinator, image)
         # -q -q: DMTCP's notes and warnings (running as root; "failed to restore this process
         # as session leader", which is harmless under procckpt) would fill the command's stderr
         # on every restart; its errors are still printed.
@@ -277,7 +225,7 @@ class DmtcpEngine:
                 job.thread.join(timeout=0.2)
         if self._monitor is not None:
             self._monitor.join(timeout=5)
-        _stop_process(cycle.coordinator)
+        cycle.coordinator.stop()
         if job is not None and job.thread is not None:
             job.thread.join(timeout=30)
         with self._lock:
@@ -335,80 +283,15 @@ class DmtcpEngine:
         return None
 
     def _reset_work_dir(self) -> None:
-        """Empty DMTCP's image dir: what an earlier cycle left there (a half-written
-        ``.temp`` image, an old restart script) must not be taken for this cycle's images."""
+        """An empty image dir and no port file from an earlier cycle."""
         self.work.mkdir(exist_ok=True)
-        shutil.rmtree(self.images, ignore_errors=True)
-        self.images.mkdir()
+        self.image_dir.reset()
         try:
             self.port_file.unlink()
         except FileNotFoundError:
             pass
 
-    def _restore_saved_files(self, image: CheckpointInfo) -> None:
-        """Put the files DMTCP saved beside the image back where the image expects them."""
-        info = image.manifest["dmtcp"]
-        target_root = Path(info.get("ckptdir") or self.images)
-        for payload, rel in info.get("saved_files", {}).items():
-            target = target_root / rel
-            try:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                # A copy, not a link: DMTCP truncates and rewrites saved files in place at the
-                # next checkpoint, which must not change the committed one.
-                shutil.copy2(image.file(payload), target)
-            except OSError as e:
-                logger.warning("dmtcp: cannot put %s back at %s (%s); the restart may fail",
-                               payload, target, e.strerror)
-
-    # -- coordinator ----------------------------------------------------------------------
-    def _start_coordinator(self) -> tuple[subprocess.Popen[bytes], int]:
-        env = _clean_env(os.environ)
-        log = open(self.work / "coordinator.log", "ab")
-        try:
-            proc = subprocess.Popen(
-                [self.tools.coordinator, "--exit-on-last", "--coord-port", "0", "--port-file",
-                 str(self.port_file), "--ckptdir", str(self.images), "--interval", "0", "-q"],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                # Its own session: the supervisor's signals and clean-up of the command's
-                # process group must not take the coordinator along before it has written
-                # the restart script that says the images are complete. Like the command, it
-                # dies with the launcher (a coordinator without clients would linger 8 h).
-                start_new_session=True, preexec_fn=die_with_parent)
-        finally:
-            log.close()
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            port = _read_port(self.port_file)
-            if port is not None:
-                return proc, port
-            if proc.poll() is not None:
-                break
-            time.sleep(0.02)
-        _stop_process(proc)
-        raise DmtcpError(f"dmtcp_coordinator did not start (exit code {proc.returncode}); see "
-                         f"{self.work / 'coordinator.log'}")
-
-    def _command_args(self, cycle: _Cycle, *args: str, timeout: float = 30,
-                      ) -> subprocess.CompletedProcess[str] | None:
-        argv = [self.tools.command, "--coord-host", "127.0.0.1", "--coord-port", str(cycle.port),
-                *args]
-        try:
-            return self._run(argv, capture_output=True, text=True, timeout=timeout,
-                             env=_clean_env(os.environ))
-        except (OSError, subprocess.SubprocessError) as e:
-            logger.debug("dmtcp_command %s failed: %s", " ".join(args), e)
-            return None
-
-    def _status(self, cycle: _Cycle) -> tuple[int, bool] | None:
-        """(peers, running) as the coordinator reports them; None if it does not answer."""
-        done = self._command_args(cycle, "--status", timeout=10)
-        if done is None or done.returncode != 0:
-            return None
-        peers, running = _PEERS_RE.search(done.stdout), _RUNNING_RE.search(done.stdout)
-        if peers is None or running is None:
-            return None
-        return int(peers.group(1)), running.group(1) == "yes"
-
+    # -- the command's state ---------------------------------------------------------------
     def _watch_state(self, cycle: _Cycle) -> None:
         """Until the command runs under DMTCP: note when it does, and kill a restore that
         does not get there in time (mtcp_restart can spin forever on a bad image)."""
@@ -418,7 +301,7 @@ class DmtcpEngine:
             limit = self.restore_timeout or (RESTORE_BASE_S + cycle.restored_from.nbytes
                                              / RESTORE_BYTES_PER_S)
         while not cycle.over.is_set():
-            state = self._status(cycle)
+            state = cycle.coordinator.status()
             if state is not None and state[0] >= 1 and state[1]:
                 cycle.running.set()
                 return
@@ -470,7 +353,7 @@ class DmtcpEngine:
                                            self._seq if stopping else job.seq)
             job.answered = True
         if stopping and not job.stop:
-            self._command_args(cycle, "--quit")  # the stop that arrived during this checkpoint
+            cycle.coordinator.command("--quit")  # the stop that arrived during this checkpoint
         try:
             self.store.prune()
         except OSError as e:
@@ -496,16 +379,16 @@ class DmtcpEngine:
             now = time.monotonic()
             if cycle.over.is_set() and now - cycle.over_at > AFTER_EXIT_WAIT_S:
                 return None
-            script = self._finished_script()
+            script = self.image_dir.finished_script()
             if script is not None and sent_at is not None:
-                return self._image_names(script), now - sent_at
-            if cycle.coordinator.poll() is not None:
-                script = self._finished_script()
+                return self.image_dir.image_names(script), now - sent_at
+            if cycle.coordinator.exited:
+                script = self.image_dir.finished_script()
                 if script is None or sent_at is None:
                     return None
-                return self._image_names(script), now - sent_at
+                return self.image_dir.image_names(script), now - sent_at
             if sent_at is None and cycle.running.is_set() and not cycle.over.is_set():
-                if self._send(cycle, command):
+                if cycle.coordinator.checkpoint(command):
                     sends += 1
                     sent_at = next_check = time.monotonic()
                     next_check += 5
@@ -518,114 +401,26 @@ class DmtcpEngine:
                     continue
             time.sleep(POLL if sent_at is not None else 0.2)
 
-    def _send(self, cycle: _Cycle, command: str) -> bool:
-        """Send one checkpoint command; False if the coordinator cannot take it now."""
-        state = self._status(cycle)
-        if state is None or not state[1] or state[0] < 1:
-            return False  # a restore or another checkpoint is still in progress
-        done = self._command_args(cycle, command, timeout=3600)
-        if done is None:
-            return False
-        # DMTCP 4.2 answers a --kcheckpoint with status 2 and this sentence even on success.
-        return done.returncode == 0 or "checkpointed and killed" in done.stdout
-
     def _lost(self, cycle: _Cycle) -> bool:
         """Whether a sent checkpoint request seems not to have started: no image is being
         written, none is finished, and the coordinator reports its processes running."""
-        if any(self.images.glob("*.temp")) or self._finished_script() is not None:
+        images = self.image_dir
+        if images.writing() or images.finished_script() is not None:
             return False
-        state = self._status(cycle)
-        return (state is not None and state[1] and not any(self.images.glob("*.temp"))
-                and self._finished_script() is None)
-
-    def _finished_script(self) -> Path | None:
-        for script in self.images.glob("dmtcp_restart_script_*.sh"):
-            try:
-                if script.stat().st_mode & stat.S_IXUSR:
-                    return script
-            except FileNotFoundError:
-                continue
-        return None
-
-    def _image_names(self, script: Path) -> list[str]:
-        found = _GIVEN_FILES_RE.search(script.read_text(errors="replace"))
-        names = [Path(p).name for p in found.group(1).split()] if found else []
-        if not names:  # a DMTCP that writes its script differently: all images are ours
-            names = sorted(p.name for p in self.images.glob("*.dmtcp"))
-        missing = [n for n in names if not (self.images / n).is_file()]
-        if missing or not names:
-            raise DmtcpError(f"DMTCP reported images {names} but {missing or 'none'} are missing "
-                             f"from {self.images}")
-        return names
+        state = cycle.coordinator.status()
+        return (state is not None and state[1] and not images.writing()
+                and images.finished_script() is None)
 
     def _commit(self, names: list[str], job: _Job, write_seconds: float,
                 cycle: _Cycle) -> CheckpointInfo:
-        saved: dict[str, str] = {}
         meta: dict[str, Any] = {
             "engine": self.name, "reason": job.reason, "command": self._command,
             "restored_from": cycle.restored_from.name if cycle.restored_from else None,
             "write_seconds": round(write_seconds, 3), "job_id": os.environ.get("SLURM_JOB_ID"),
-            "dmtcp": {"version": self._version, "images": names, "saved_files": saved,
+            "dmtcp": {"version": self._version, "images": names, "saved_files": {},
                       "ckptdir": str(self.images), "gzip": self.gzip},
         }
-        with self.store.begin(meta) as pending:
-            for name in names:
-                os.rename(self.images / name, pending.path / name)
-                pending.add_file(name)
-                files_dir = self.images / (name.removesuffix(".dmtcp") + "_files")
-                for path in _saved_files(files_dir):
-                    payload = f"saved-{len(saved):03d}-{path.name}"
-                    os.rename(path, pending.path / payload)
-                    pending.add_file(payload)
-                    saved[payload] = str(path.relative_to(self.images))
-            for script in self.images.glob("dmtcp_restart_script*.sh"):
-                script.unlink(missing_ok=True)
-            return pending.commit()
-
-
-def _saved_files(files_dir: Path) -> list[Path]:
-    """The files DMTCP saved beside an image for this checkpoint.
-
-    ``fd-info.txt`` lists them (``name:original path`` per line); copies left from earlier
-    checkpoints, or put back for this cycle's restore, are not listed and not needed.
-    """
-    if not files_dir.is_dir():
-        return []
-    everything = sorted(p for p in files_dir.rglob("*") if p.is_file())
-    index = files_dir / "fd-info.txt"
-    try:
-        listed = {line.split(":", 1)[0] for line in index.read_text().splitlines() if line}
-    except OSError:
-        return everything  # no index: keep all, the restore then finds whatever it needs
-    return [p for p in everything if p == index or p.name in listed]
-
-
-def _read_port(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and int(text) > 0 else None
-
-
-def _clean_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment without DMTCP_* settings: a user's DMTCP_COORD_HOST/PORT or
-    DMTCP_CHECKPOINT_INTERVAL must not send our commands to another coordinator."""
-    return {k: v for k, v in environ.items() if not k.startswith("DMTCP_")}
-
-
-def _stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            logger.error("dmtcp_coordinator (pid %d) survived SIGKILL", proc.pid)
+        return self.image_dir.commit(self.store, names, meta)
 
 
 def _megabytes(n: int) -> str:
