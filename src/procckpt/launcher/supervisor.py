@@ -1,47 +1,35 @@
 """The run loop: start -> watch -> trigger -> checkpoint -> stop -> restart, requeue or exit.
 
-Signals the launcher handles (the one table; README.md repeats it for users):
-
-    signal          what procckpt run does
-    -------------   -------------------------------------------------------------------------
-    SIGTERM         checkpoint now, then stop the command (Slurm's time limit, preemption,
-                    scancel, Kubernetes' pod termination all start with SIGTERM)
-    SIGUSR1         the same: checkpoint now, then stop. Default of --checkpoint-signal, which
-                    `procckpt sbatch` asks Slurm to send (`--signal=B:USR1@grace`)
-    SIGUSR2         checkpoint now and keep training (a snapshot on demand)
-    SIGINT, SIGHUP  forwarded to the command's process group; a second SIGINT kills it
-    SIGCONT         forwarded (Slurm sends it with SIGTERM to wake suspended jobs)
-
-USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
-internally, so the request reaches the training process through ``control/`` instead. Under
-``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp/engine.py).
-Handlers only record the signal (via the wakeup pipe); the loop below acts on it.
+One run is a sequence of cycles (starts of the command). Each cycle is watched until the
+command exits, or until a signal or the deadline asks for a checkpoint, the checkpoint is
+confirmed and the command stopped; then the restart policy (restart.py, or the Slurm one)
+says whether to restart here, requeue, or exit. Signals reach the loop through a wakeup pipe
+(signals.py, which has the table of what each one means); no handler acts.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-import select
 import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from ..durations import format_duration
+from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from ..protocol import control as ctl
+from ..protocol.events import append_event
+from ..store import CheckpointStore
 from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
-from ..durations import format_duration
 from .engines import Confirmation, Engine, RequestUndelivered
-from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
-from ..protocol.events import append_event
 from .restart import Decision, RestartPolicy, StopCause
-from ..store import CheckpointStore
+from .results import CycleOutcome, ExitReason, RunResult
+from .signals import HANDLED_SIGNALS, Action, SignalPipe, signal_actions
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 
@@ -54,61 +42,24 @@ NO_PROGRESS_CYCLES = 3
 #: After the checkpoint is confirmed, the command gets this long to exit by itself.
 EXIT_AFTER_CONFIRM = 15.0
 
-HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT,
-                   signal.SIGHUP, signal.SIGCONT)
+@dataclass
+class _Stop:
+    """A checkpoint-then-stop in progress in the cycle being watched."""
 
-
-class Action(enum.Enum):
-    CHECKPOINT_STOP = "checkpoint-stop"
-    CHECKPOINT = "checkpoint"
-    FORWARD = "forward"
-
-
-def signal_actions(checkpoint_signal: str) -> dict[int, Action]:
-    table = {
-        signal.SIGTERM: Action.CHECKPOINT_STOP,
-        signal.SIGUSR1: Action.CHECKPOINT_STOP,
-        signal.SIGUSR2: Action.CHECKPOINT,
-        signal.SIGINT: Action.FORWARD,
-        signal.SIGHUP: Action.FORWARD,
-        signal.SIGCONT: Action.FORWARD,
-    }
-    table[getattr(signal, f"SIG{checkpoint_signal}")] = Action.CHECKPOINT_STOP
-    return table
-
-
-class ExitReason(enum.Enum):
-    FINISHED = "finished"
-    ALREADY_COMPLETE = "already-complete"
-    CHECKPOINTED = "checkpointed"  # stopped with a checkpoint, resume later (exit 75)
-    REQUEUED = "requeued"  # the scheduler will start it again (exit 0)
-    BUDGET_EXHAUSTED = "budget-exhausted"
-    NO_PROGRESS = "no-progress"
-    NOT_CHECKPOINTABLE = "not-checkpointable"  # stopped, nothing could be saved (exit 124)
-    STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error (exit 74)
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
+    seq: int  # the engine's request number, to match its confirmation
+    asked_at: float
+    give_up_at: float  # no confirmation by then: the command is stopped anyway
+    exit_by: float | None = None  # once confirmed: the command has until then to exit
 
 
 @dataclass
-class RunResult:
-    exit_code: int
-    reason: ExitReason
-    cycles: int
-    message: str = ""
+class _Watch:
+    """The state of one cycle's watch loop."""
 
-
-@dataclass
-class CycleOutcome:
-    exit_code: int
-    stop_cause: StopCause | None = None  # why we stopped it (None: it exited on its own)
-    stop_signal: str | None = None
-    confirmed: Confirmation | None = None  # the stop's checkpoint, if one was confirmed
-    finished: bool = False
-    connected: bool = False
-    forwarded: list[str] = field(default_factory=list)
-    retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
-    stop_started: float | None = None  # when the stop's checkpoint was asked for
+    outcome: CycleOutcome
+    next_interval: float | None  # when the next periodic checkpoint is asked for
+    stop: _Stop | None = None
+    sigints: int = 0
 
 
 class Supervisor:
@@ -137,20 +88,20 @@ class Supervisor:
         self._actions = signal_actions(config.checkpoint_signal)
         #: As PID 1 (a container's entrypoint) orphans are ours to reap; see pid1.py.
         self._reap_orphans = pid1.is_init()
-        self._wakeup_r = -1
-        self._old_handlers: dict[int, Any] = {}
+        self._signals = SignalPipe((*HANDLED_SIGNALS,
+                                    getattr(signal, f"SIG{config.checkpoint_signal}")))
         self.cycles = 0
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> RunResult:
         if self._wait is not None:  # a test drives the signals
             return self._run()
-        self._install_signals()
-        self._wait = self._wait_signals
+        self._signals.install()
+        self._wait = self._signals.wait
         try:
             return self._run()
         finally:
-            self._restore_signals()
+            self._signals.restore()
             self._wait = None
 
     def _run(self) -> RunResult:
@@ -321,81 +272,91 @@ class Supervisor:
         return self.config.grace_for(limit)
 
     def _watch(self, child: Child, started: float) -> CycleOutcome:
-        outcome = CycleOutcome(exit_code=-1)
+        """Watch the command until it exits, or is stopped after its checkpoint (or grace)."""
         interval = self.config.interval
-        next_interval = started + interval if interval else None
-        stop_seq: int | None = None
-        give_up_at = 0.0
-        exit_by = 0.0
-        sigints = 0
+        watch = _Watch(CycleOutcome(exit_code=-1), started + interval if interval else None)
         while True:
             now = self._clock()
             end = self.deadline.end(started, now)
             trigger_at = end - self._grace() if end is not None else None
-            waits = [TICK]
-            for t in (trigger_at if stop_seq is None else None, next_interval,
-                      give_up_at if stop_seq is not None else None):
-                if t is not None:
-                    waits.append(max(0.0, t - now))
-            for signum in self._wait(min(waits)):  # type: ignore[misc]
-                action = self._actions.get(signum)
-                name = signal.Signals(signum).name
-                if action is Action.FORWARD:
-                    sigints += signum == signal.SIGINT
-                    if sigints >= 2:
-                        logger.warning("second SIGINT: killing the command")
-                        child.kill_leftovers()
-                    else:
-                        child.signal(signum)
-                        if signum != signal.SIGCONT:
-                            outcome.forwarded.append(name)
-                elif action is Action.CHECKPOINT_STOP and stop_seq is None:
-                    outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
-                    stop_seq, give_up_at = self._begin_stop(name, now, child)
-                    outcome.stop_started = now
-                elif action is Action.CHECKPOINT and stop_seq is None:
-                    self._trigger("checkpoint", name, child)
+            for signum in self._wait(self._next_wake(watch, now, trigger_at)):  # type: ignore[misc]
+                self._on_signal(signum, watch, child, now)
             if self._reap_orphans:
                 pid1.reap_orphans({child.pid})
             rc = child.poll()
-            if rc is not None:
-                outcome.exit_code = rc
+            if rc is None:
+                now = self._clock()
+                self._on_time(watch, child, now, trigger_at)
+                rc = self._follow_stop(watch, child, now)
+            else:
                 child.kill_leftovers()
-                break
-            now = self._clock()
-            if stop_seq is None and trigger_at is not None and now >= trigger_at:
-                outcome.stop_cause = StopCause.DEADLINE
-                stop_seq, give_up_at = self._begin_stop("deadline", now, child)
-                outcome.stop_started = now
-            if next_interval is not None and now >= next_interval:
-                next_interval = now + interval  # type: ignore[operator]
-                if stop_seq is None:
-                    self._trigger("checkpoint", "interval", child)
-            if stop_seq is None:
-                continue
-            if outcome.confirmed is None:
-                outcome.confirmed = self.engine.confirmation(stop_seq)
-                if outcome.confirmed is not None:
-                    outcome.connected = True
-                    exit_by = now + EXIT_AFTER_CONFIRM
-                    self._log_confirmed(outcome.confirmed, now - (give_up_at - self._grace()))
-                elif now >= give_up_at:
-                    connected = outcome.connected or self.engine.connected()
-                    logger.warning("no checkpoint confirmed within the %s grace%s; stopping the "
-                                   "command", format_duration(self._grace()),
-                                   "" if connected else " (the command never connected to "
-                                   "procckpt)")
-                    append_event(self.store.events_path, "unconfirmed", cycle=self.cycles)
-                    outcome.exit_code = self._stop_child(child)
-                    break
-            elif now >= exit_by:
-                outcome.exit_code = self._stop_child(child)
-                break
-        return outcome
+            if rc is not None:
+                watch.outcome.exit_code = rc
+                return watch.outcome
 
-    def _begin_stop(self, reason: str, now: float, child: Child) -> tuple[int, float]:
+    def _next_wake(self, watch: _Watch, now: float, trigger_at: float | None) -> float:
+        """Seconds until the loop has something to do, if no signal comes first."""
+        moments = [watch.next_interval]
+        moments.append(trigger_at if watch.stop is None else watch.stop.give_up_at)
+        return min([TICK] + [max(0.0, t - now) for t in moments if t is not None])
+
+    def _on_signal(self, signum: int, watch: _Watch, child: Child, now: float) -> None:
+        action = self._actions.get(signum)
+        name = signal.Signals(signum).name
+        outcome = watch.outcome
+        if action is Action.FORWARD:
+            watch.sigints += signum == signal.SIGINT
+            if watch.sigints >= 2:
+                logger.warning("second SIGINT: killing the command")
+                child.kill_leftovers()
+            else:
+                child.signal(signum)
+                if signum != signal.SIGCONT:
+                    outcome.forwarded.append(name)
+        elif action is Action.CHECKPOINT_STOP and watch.stop is None:
+            outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
+            watch.stop = self._begin_stop(name, now, child, outcome)
+        elif action is Action.CHECKPOINT and watch.stop is None:
+            self._trigger("checkpoint", name, child)
+
+    def _on_time(self, watch: _Watch, child: Child, now: float, trigger_at: float | None,
+                 ) -> None:
+        """The deadline's checkpoint, and the periodic one, when their time has come."""
+        if watch.stop is None and trigger_at is not None and now >= trigger_at:
+            watch.outcome.stop_cause = StopCause.DEADLINE
+            watch.stop = self._begin_stop("deadline", now, child, watch.outcome)
+        if watch.next_interval is not None and now >= watch.next_interval:
+            watch.next_interval = now + self.config.interval  # type: ignore[operator]
+            if watch.stop is None:
+                self._trigger("checkpoint", "interval", child)
+
+    def _follow_stop(self, watch: _Watch, child: Child, now: float) -> int | None:
+        """Follow a stop in progress; the command's exit code once we stopped it."""
+        stop, outcome = watch.stop, watch.outcome
+        if stop is None:
+            return None
+        if stop.exit_by is not None:  # confirmed: the command may still exit by itself
+            return self._stop_child(child) if now >= stop.exit_by else None
+        outcome.confirmed = self.engine.confirmation(stop.seq)
+        if outcome.confirmed is not None:
+            outcome.connected = True
+            stop.exit_by = now + EXIT_AFTER_CONFIRM
+            self._log_confirmed(outcome.confirmed, now - stop.asked_at)
+            return None
+        if now < stop.give_up_at:
+            return None
+        connected = outcome.connected or self.engine.connected()
+        logger.warning("no checkpoint confirmed within the %s grace%s; stopping the command",
+                       format_duration(self._grace()),
+                       "" if connected else " (the command never connected to procckpt)")
+        append_event(self.store.events_path, "unconfirmed", cycle=self.cycles)
+        return self._stop_child(child)
+
+    def _begin_stop(self, reason: str, now: float, child: Child, outcome: CycleOutcome,
+                    ) -> _Stop:
+        outcome.stop_started = now
         seq = self._trigger("stop", reason, child)
-        return seq, now + self._grace()
+        return _Stop(seq, asked_at=now, give_up_at=now + self._grace())
 
     def _trigger(self, action: str, reason: str, child: Child) -> int:
         logger.info("asking for a checkpoint%s (%s)", " then stop" if action == "stop" else "",
@@ -424,43 +385,6 @@ class Supervisor:
     def _stop_child(self, child: Child) -> int:
         rc = child.stop(term_timeout=self.config.term_timeout)
         return rc if rc is not None else 128 + signal.SIGKILL
-
-    # -- signals ---------------------------------------------------------------------------
-    def _install_signals(self) -> None:
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        self._wakeup_r, self._wakeup_w = r, w
-        for signum in (*HANDLED_SIGNALS, signal.SIGCHLD,
-                       getattr(signal, f"SIG{self.config.checkpoint_signal}")):
-            # The handler does nothing: the C-level handler already wrote the signal's number
-            # into the wakeup pipe, which the loop reads. Nothing runs inside the handler.
-            self._old_handlers[signum] = signal.signal(signum, _record_only)
-        self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-
-    def _restore_signals(self) -> None:
-        signal.set_wakeup_fd(self._old_wakeup)
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
-        os.close(self._wakeup_r)
-        os.close(self._wakeup_w)
-
-    def _wait_signals(self, timeout: float) -> list[int]:
-        try:
-            ready, _, _ = select.select([self._wakeup_r], [], [], timeout)
-        except InterruptedError:
-            ready = [self._wakeup_r]
-        if not ready:
-            return []
-        try:
-            data = os.read(self._wakeup_r, 4096)
-        except BlockingIOError:
-            return []
-        return [b for b in data if b != signal.SIGCHLD]
-
-
-def _record_only(signum: int, frame: object) -> None:
-    pass
 
 
 def _ending(code: int) -> str:

@@ -1,0 +1,49 @@
+"""What a run and each of its cycles came to: the values the run loop decides on and returns."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .engines import Confirmation
+from .restart import StopCause
+
+__all__ = ["ExitReason", "RunResult", "CycleOutcome"]
+
+
+class ExitReason(enum.Enum):
+    FINISHED = "finished"
+    ALREADY_COMPLETE = "already-complete"
+    CHECKPOINTED = "checkpointed"  # stopped with a checkpoint, resume later (exit 75)
+    REQUEUED = "requeued"  # the scheduler will start it again (exit 0)
+    BUDGET_EXHAUSTED = "budget-exhausted"
+    NO_PROGRESS = "no-progress"
+    NOT_CHECKPOINTABLE = "not-checkpointable"  # stopped, nothing could be saved (exit 124)
+    STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error (exit 74)
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+
+
+@dataclass
+class RunResult:
+    """How ``procckpt run`` ends: its exit code, why, after how many cycles, in words."""
+
+    exit_code: int
+    reason: ExitReason
+    cycles: int
+    message: str = ""
+
+
+@dataclass
+class CycleOutcome:
+    """How one cycle (one start of the command) ended."""
+
+    exit_code: int
+    stop_cause: StopCause | None = None  # why we stopped it (None: it exited on its own)
+    stop_signal: str | None = None
+    confirmed: Confirmation | None = None  # the stop's checkpoint, if one was confirmed
+    finished: bool = False
+    connected: bool = False
+    forwarded: list[str] = field(default_factory=list)
+    retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
+    stop_started: float | None = None  # when the stop's checkpoint was asked for
