@@ -1,5 +1,6 @@
-"""The package's layout keeps its promises: no import cycles between modules, and every module
-says its job in its first line (docs/architecture.md)."""
+"""The package's layout keeps its promises: no import cycles between modules, every module says
+its job in its first line, and none grows past a size a reader takes in at once
+(docs/architecture.md)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,13 @@ def test_every_module_says_its_job_first():
             continue
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc and doc.splitlines()[0].strip(), f"{path} has no one-line docstring"
+
+
+#: Past this a module usually does more than one job; split it (docs/architecture.md).
+MAX_MODULE_LINES = 450
+
+
+def test_no_module_is_too_long_to_read_at_once():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
