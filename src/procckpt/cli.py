@@ -74,7 +74,7 @@ def run_command(config: RunConfig) -> int:
         raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
     store = CheckpointStore(config.dir, keep=config.keep).open()
     with store.lock():
-        complete = store.is_complete()
+        complete = store.completion()
         if complete and not config.force:
             logger.info("the run in %s already finished (step %s); nothing to do. Use --force "
                         "or a new --dir to train again", store.root, complete.get("step"))

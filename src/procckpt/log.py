@@ -9,10 +9,11 @@ import sys
 __all__ = ["setup_logging"]
 
 
-def setup_logging(level: str | None = None) -> None:
+def setup_logging(level: str | None = None, label: str | None = None) -> None:
     """Send procckpt's records to stderr as ``procckpt: message`` unless already configured.
 
-    The level comes from ``level``, else ``$PROCCKPT_LOG_LEVEL``, else INFO.
+    The level comes from ``level``, else ``$PROCCKPT_LOG_LEVEL``, else INFO. ``label`` tells
+    the two sides apart in one output (``procckpt[train]: ...``).
     """
     root = logging.getLogger("procckpt")
     # In a process group every rank would say the same: ranks other than 0 say only what
@@ -24,7 +25,7 @@ def setup_logging(level: str | None = None) -> None:
     if root.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    prefix = "procckpt" if os.environ.get("PROCCKPT_TOKEN") is None else "procckpt[train]"
+    prefix = "procckpt" if label is None else f"procckpt[{label}]"
     if quiet:
         prefix = f"procckpt[rank {os.environ['RANK'].strip()}]"
     handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))

@@ -20,7 +20,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         raise StoreError(f"{store.root} is not a procckpt checkpoint dir (no {MARKER} marker)")
     now = time.time()
     lines = [f"checkpoint dir: {store.root}"]
-    complete = store.is_complete()
+    complete = store.completion()
     lock = store.root / "lock"
     holder = _holder(store)
     if complete:

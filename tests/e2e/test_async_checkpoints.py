@@ -101,7 +101,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     start = int(again.stdout.split("start step ")[1].split()[0])
     assert start >= 3, "the second run did not resume"
-    assert CheckpointStore(d).is_complete() is not None
+    assert CheckpointStore(d).completion() is not None
     expected = torch.load(tmp_path / "ref.pt", weights_only=True)
     got = torch.load(tmp_path / "out.pt", weights_only=True)
     for key, value in expected.items():

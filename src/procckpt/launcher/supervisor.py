@@ -263,7 +263,7 @@ class Supervisor:
             requested = (outcome.stop_cause is not None or outcome.confirmed is not None
                          or bool(outcome.forwarded))
             outcome.retry = after_exit(outcome.exit_code, requested)
-        complete = self.store.is_complete()
+        complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         return outcome
 

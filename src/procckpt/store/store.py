@@ -328,7 +328,7 @@ class CheckpointStore:
         return (max if mode == "max" else min)(scored, key=lambda i: i.metric)  # type: ignore[arg-type,return-value]
 
     # -- completion -------------------------------------------------------------------------
-    def is_complete(self) -> dict[str, Any] | None:
+    def completion(self) -> dict[str, Any] | None:
         """What the finished run noted in ``COMPLETE``; None while training is not done."""
         try:
             record = json.loads(read_small_file(self.complete_path))

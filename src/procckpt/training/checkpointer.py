@@ -94,7 +94,7 @@ class Checkpointer:
         async_save: bool | None = None,
         **stateful: Stateful,
     ) -> None:
-        setup_logging()
+        setup_logging(label="train" if os.environ.get(ctl.ENV_TOKEN) else None)
         self._statefuls = collect_statefuls(model=model, optimizer=optimizer,
                                             scheduler=scheduler, scaler=scaler, **stateful)
         if metric_mode not in ("max", "min"):
