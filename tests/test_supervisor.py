@@ -14,6 +14,9 @@ import pytest
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.deadline import LocalDeadline, NoDeadline
 from procckpt.launcher.engines import Confirmation
+from procckpt.launcher.interval import young_daly
+from procckpt.protocol.control import STACK_DUMP_SIGNAL, Heartbeat
+from procckpt.protocol.events import append_event
 from procckpt.protocol.events import read_events
 from procckpt.launcher.restart import LocalRestart
 from procckpt.store import CheckpointStore
@@ -31,6 +34,9 @@ class Cycle:
     step: int | None = None  # the step of the confirmed checkpoint
     exit_after_confirm: float = 0.5  # then it exits (0) this long after the confirmation
     ignores_term: bool = False  # SIGTERM does not stop it (the launcher must SIGKILL)
+    step_seconds: float = 0.1  # it reports its steps (a heartbeat) at this pace...
+    hangs_at: float | None = None  # ...until then, after which no step completes
+    pause: float = 0.5  # what a periodic checkpoint costs it (journalled, as the training does)
 
 
 @dataclass
@@ -113,10 +119,19 @@ class FakeEngine:
 
     def request(self, action: str, reason: str) -> int:
         self.seq += 1
-        self.world.requests.append((self.world.elapsed(), action, reason))
+        w = self.world
+        w.requests.append((w.elapsed(), action, reason))
         if action == "stop":
-            self.world.stop_asked = self.world.now
+            w.stop_asked = w.now
+        else:  # the training writes it in the background and journals what it cost
+            append_event(w.store.events_path, "checkpoint", checkpoint=f"ckpt-{self.seq:08d}",
+                         stall=w.cycle.pause, seconds=2 * w.cycle.pause, reason=reason)
         return self.seq
+
+    def progress(self) -> Heartbeat | None:
+        w, c = self.world, self.world.cycle
+        running = w.elapsed() if c.hangs_at is None else min(w.elapsed(), c.hangs_at)
+        return Heartbeat(int(running / c.step_seconds), w.now)
 
     def _confirmation(self) -> Confirmation | None:
         w = self.world
@@ -136,11 +151,14 @@ class FakeEngine:
 
 
 def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 100.0,
-              grace: float = 10.0, max_restarts: int = 20) -> tuple[World, object, float]:
+              grace: float = 10.0, max_restarts: int = 20, interval: float | str | None = "auto",
+              hang_timeout: float | str | None = "auto",
+              ) -> tuple[World, object, float]:
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
     config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
-                       max_restarts=max_restarts, term_timeout=10.0)
+                       max_restarts=max_restarts, term_timeout=10.0, interval=interval,
+                       hang_timeout=hang_timeout)
 
     def wait(timeout: float) -> list[int]:
         world.now += max(timeout, 0.001)
@@ -203,7 +221,51 @@ def test_a_command_that_ends_by_itself(tmp_path: Path, code: int, reason: ExitRe
     assert words in result.message
 
 
-def test_no_time_limit_means_no_request(tmp_path: Path):
+def test_no_time_limit_and_no_interval_means_no_request(tmp_path: Path):
     world, result, _ = supervise(tmp_path, [Cycle(exits_at=5000, completes=True)],
-                                 time_limit=None)
+                                 time_limit=None, interval=None)
     assert result.reason is ExitReason.FINISHED and world.requests == []
+
+
+def test_by_default_checkpoints_come_at_the_young_daly_period_of_their_measured_cost(
+        tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(exits_at=2000, completes=True, pause=0.5)],
+                                 time_limit=None)
+    assert result.reason is ExitReason.FINISHED
+    times = [t for t, action, reason in world.requests if reason == "interval"]
+    assert times[0] == pytest.approx(300, abs=1.5)  # the first: to measure the cost
+    period = young_daly(0.5, 24 * 3600)  # then sqrt(2 C M) - C = 293 s
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert gaps and all(g == pytest.approx(period, abs=1.5) for g in gaps)
+    intervals = [e for e in read_events(world.store.events_path) if e["event"] == "interval"]
+    assert "Young/Daly" in intervals[-1]["why"]
+
+
+def test_a_hung_command_gets_its_stacks_dumped_and_is_restarted(tmp_path: Path):
+    cycles = [Cycle(hangs_at=50, confirm_after=None), Cycle(exits_at=30, completes=True)]
+    world, result, _ = supervise(tmp_path, cycles, time_limit=None, interval=None,
+                                 hang_timeout=20.0)
+    assert result.reason is ExitReason.FINISHED and result.cycles == 2
+    assert STACK_DUMP_SIGNAL in world.killed_with
+    hang = next(e for e in read_events(world.store.events_path) if e["event"] == "hang")
+    assert hang["step"] == 500 and 20 <= hang["seconds"] <= 22  # 50 s at 0.1 s a step
+    assert any(e["event"] == "restart" and e["cause"] == "hang"
+               for e in read_events(world.store.events_path))
+
+
+def test_a_command_that_keeps_hanging_uses_up_the_restart_budget(tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(hangs_at=5, confirm_after=None)] * 4,
+                                 time_limit=None, interval=None, hang_timeout=20.0,
+                                 max_restarts=2)
+    assert result.reason is ExitReason.HUNG and result.exit_code == 1 and result.cycles == 3
+
+
+def test_a_grace_shorter_than_a_measured_checkpoint_is_widened_and_said(tmp_path: Path,
+                                                                         caplog):
+    store = CheckpointStore(tmp_path / "ckpt").open()
+    append_event(store.events_path, "confirmed", checkpoint="ckpt-00000001", seconds=30.0)
+    world, result, _ = supervise(tmp_path, [Cycle(step=10), Cycle(exits_at=5, completes=True)],
+                                 interval=None, grace=10.0)
+    stops = [t for t, action, _ in world.requests if action == "stop"]
+    assert stops == [pytest.approx(100 - (1.5 * 30 + 0.1 + 2), abs=1.5)]
+    assert "pass --grace 48s" in caplog.text

@@ -39,7 +39,14 @@ def cli() -> None:
 @click.option("--grace", metavar="DURATION",
               help="Ask for the checkpoint this long before the deadline [default: 60s, at "
                    "most a quarter of --time-limit].")
-@click.option("--interval", metavar="DURATION", help="Also checkpoint this often, without stopping.")
+@click.option("--interval", metavar="DURATION|auto|off",
+              help="Also checkpoint this often, without stopping [auto: from what a checkpoint "
+                   "costs and --mtbf].")
+@click.option("--mtbf", metavar="DURATION", help="Expected time between failures (node loss, "
+              "OOM kill), for --interval auto [24h].")
+@click.option("--hang-timeout", metavar="DURATION|auto|off",
+              help="Restart the command when no step completes for this long, after printing "
+                   "its stacks [auto: max(10m, 50 steps)].")
 @click.option("--max-restarts", metavar="N", help="Restart (or requeue) at most N times [20].")
 @click.option("--restart-on-failure/--no-restart-on-failure", default=None,
               help="Also restart a command that crashed, from its last checkpoint.")

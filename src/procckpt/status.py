@@ -64,9 +64,17 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     history = list(read_events(store.events_path))
     restarts = sum(1 for e in history if e.get("event") == "restart")
     starts = sum(1 for e in history if e.get("event") == "start")
+    hangs = sum(1 for e in history if e.get("event") == "hang")
     lines.append("")
     lines.append(f"launches: {starts}   restarts: {restarts}   "
-                 f"checkpoints saved: {sum(1 for e in history if e.get('event') == 'checkpoint')}")
+                 f"checkpoints saved: {sum(1 for e in history if e.get('event') == 'checkpoint')}"
+                 + (f"   hangs: {hangs}" if hangs else ""))
+    period = next((e for e in reversed(history) if e.get("event") == "interval"), None)
+    if period is not None:
+        seconds = period.get("seconds")
+        every = "none" if not isinstance(seconds, (int, float)) else \
+            f"every {format_duration(seconds)}"
+        lines.append(f"periodic checkpoints: {every} ({period.get('why', '?')})")
     if history:
         lines.append("last events:")
         for e in history[-events:]:

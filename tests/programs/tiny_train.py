@@ -27,6 +27,8 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="exit 3 at this step (only on the first start)")
+    parser.add_argument("--hang-at-step", type=int, default=None,
+                        help="stop making progress after this step (only on the first start)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -49,11 +51,20 @@ def main() -> None:
                     and ckpt.restart == 0:
                 raise SystemExit(3)
             print(f"step {ckpt.step + 1}", flush=True)
+            if args.hang_at_step is not None and ckpt.step + 1 == args.hang_at_step \
+                    and ckpt.restart == 0:
+                stuck_waiting_for_data()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     print("done", flush=True)
     if args.out:
         torch.save(model.state_dict(), args.out)
+
+
+def stuck_waiting_for_data() -> None:
+    """What a dead data worker or a lost collective looks like from the outside."""
+    while True:
+        time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ __all__ = ["RunConfig", "load_config", "CONFIG_FILE", "ENGINES"]
 CONFIG_FILE = "procckpt.yaml"
 ENGINES = ("auto", "hooks", "dmtcp")
 DEFAULT_GRACE = 60.0
+#: The expected time between failures that --interval auto plans for (Young/Daly).
+DEFAULT_MTBF = 24 * 3600.0
+AUTO = "auto"
+OFF = "off"
 
 
 @dataclass
@@ -25,14 +29,17 @@ class RunConfig:
     """What ``procckpt run`` was asked to do (the spec; see supervisor.RunResult for the outcome).
 
     Durations are seconds. ``grace`` None means "pick from the time limit" (see
-    :meth:`grace_for`).
+    :meth:`grace_for`). ``interval`` and ``hang_timeout`` are seconds, ``"auto"`` (worked out
+    from what the run measures) or None (off).
     """
 
     command: list[str] = field(default_factory=list)
     dir: Path = Path("procckpt-checkpoints")
     time_limit: float | None = None
     grace: float | None = None
-    interval: float | None = None
+    interval: float | str | None = AUTO
+    mtbf: float = DEFAULT_MTBF
+    hang_timeout: float | str | None = AUTO
     max_restarts: int = 20
     restart_on_failure: bool = False
     engine: str = "auto"
@@ -56,6 +63,21 @@ class RunConfig:
 
 def _duration(name: str) -> Callable[[Any], float]:
     return lambda v: parse_duration(v, what=f"{name.replace('_', '-')}")
+
+
+def _duration_or_auto(name: str) -> Callable[[Any], float | str | None]:
+    """A duration, ``auto`` or ``off``; off is None."""
+    def convert(v: Any) -> float | str | None:
+        text = str(v).strip().lower()
+        if text == AUTO:
+            return AUTO
+        if text in (OFF, "none", "0"):
+            return None
+        try:
+            return parse_duration(v, what=name.replace("_", "-"))
+        except UsageError as e:
+            raise UsageError(f"{e}; or auto, or off") from None
+    return convert
 
 
 def _int(name: str, minimum: int) -> Callable[[Any], int]:
@@ -103,7 +125,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "dir": lambda v: _dir(v),
     "time_limit": _duration("time_limit"),
     "grace": _duration("grace"),
-    "interval": _duration("interval"),
+    "interval": _duration_or_auto("interval"),
+    "mtbf": _duration("mtbf"),
+    "hang_timeout": _duration_or_auto("hang_timeout"),
     "max_restarts": _int("max_restarts", 0),
     "restart_on_failure": _bool("restart_on_failure"),
     "engine": _engine,
@@ -190,8 +214,10 @@ def _validate(config: RunConfig) -> None:
             f"grace ({config.grace:g}s) must be shorter than the time limit "
             f"({config.time_limit:g}s): the checkpoint is asked for at limit - grace"
         )
-    if config.interval is not None and config.interval <= 0:
+    if isinstance(config.interval, float) and config.interval <= 0:
         raise UsageError("interval must be positive")
+    if config.mtbf <= 0:
+        raise UsageError("mtbf must be positive: the expected time between failures")
 
 
 def option_names() -> list[str]:

@@ -22,6 +22,7 @@ class ExitReason(enum.Enum):
     STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error (exit 74)
     FAILED = "failed"
     INTERRUPTED = "interrupted"
+    HUNG = "hung"  # stuck again and again, past the restart budget
 
 
 @dataclass
@@ -47,3 +48,4 @@ class CycleOutcome:
     forwarded: list[str] = field(default_factory=list)
     retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
     stop_started: float | None = None  # when the stop's checkpoint was asked for
+    hung: bool = False  # no step completed for the hang timeout: we stopped it

@@ -37,7 +37,7 @@ class Action(enum.Enum):
 
 
 def signal_actions(checkpoint_signal: str) -> dict[int, Action]:
-    """What each handled signal asks for; ``checkpoint_signal`` (``USR1``, ``URG``) is a stop."""
+    """What each handled signal asks for; ``checkpoint_signal`` (``USR1``, ``TERM``) is a stop."""
     table = {
         signal.SIGTERM: Action.CHECKPOINT_STOP,
         signal.SIGUSR1: Action.CHECKPOINT_STOP,

@@ -15,7 +15,6 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ..durations import format_duration
 from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
@@ -26,40 +25,20 @@ from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
-from .engines import Confirmation, Engine, RequestUndelivered
+from .engines import Engine
+from .hang import HangWatch
+from .plan import CheckpointPlan
 from .restart import Decision, RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult
-from .signals import HANDLED_SIGNALS, Action, SignalPipe, signal_actions
+from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
+from .watch import CycleWatch, log_confirmed
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 
 logger = logging.getLogger(__name__)
 
-#: The loop wakes at least this often (to poll the child and the deadline).
-TICK = 1.0
 #: Cycles in a row without a new checkpoint after which a local restart loop gives up.
 NO_PROGRESS_CYCLES = 3
-#: After the checkpoint is confirmed, the command gets this long to exit by itself.
-EXIT_AFTER_CONFIRM = 15.0
-
-@dataclass
-class _Stop:
-    """A checkpoint-then-stop in progress in the cycle being watched."""
-
-    seq: int  # the engine's request number, to match its confirmation
-    asked_at: float
-    give_up_at: float  # no confirmation by then: the command is stopped anyway
-    exit_by: float | None = None  # once confirmed: the command has until then to exit
-
-
-@dataclass
-class _Watch:
-    """The state of one cycle's watch loop."""
-
-    outcome: CycleOutcome
-    next_interval: float | None  # when the next periodic checkpoint is asked for
-    stop: _Stop | None = None
-    sigints: int = 0
 
 
 class Supervisor:
@@ -88,6 +67,11 @@ class Supervisor:
         self._actions = signal_actions(config.checkpoint_signal)
         #: As PID 1 (a container's entrypoint) orphans are ours to reap; see pid1.py.
         self._reap_orphans = pid1.is_init()
+        #: The period of checkpoints and the deadline's lead, from what checkpoints cost here.
+        self.plan = CheckpointPlan(config, deadline, store.events_path)
+        self.hangs = HangWatch(config.hang_timeout)
+        #: Signals that arrived while a hung command printed its stacks: for the next cycle.
+        self._carried_signals: list[int] = []
         self._signals = SignalPipe((*HANDLED_SIGNALS,
                                     getattr(signal, f"SIG{config.checkpoint_signal}")))
         self.cycles = 0
@@ -111,6 +95,15 @@ class Supervisor:
         append_event(self.store.events_path, "start", argv=self.config.command,
                      engine=self.engine.name, deadline=self.deadline.source, restart=restarts,
                      job_id=os.environ.get("SLURM_JOB_ID"))
+        room = self.store.room_shortfall()
+        if room is not None:
+            logger.warning("%s", room)
+        if self.hangs.enabled and getattr(self.engine, "progress", None) is None:
+            if not isinstance(self.config.hang_timeout, str):
+                logger.warning("--hang-timeout needs the hooks engine (the training reports its "
+                               "steps through procckpt.Checkpointer); the %s engine cannot see "
+                               "steps, so hangs go undetected", self.engine.name)
+            self.hangs.setting = None
         while True:
             self.cycles += 1
             outcome = self._run_cycle(restarts)
@@ -118,6 +111,18 @@ class Supervisor:
                 logger.warning("%s", outcome.retry)
                 append_event(self.store.events_path, "fallback", message=outcome.retry,
                              cycle=self.cycles)
+                continue
+            if outcome.hung and not outcome.finished:
+                if restarts >= self.config.max_restarts:
+                    return self._exit(1, ExitReason.HUNG,
+                                      f"the command hung again after {restarts} restarts "
+                                      f"(--max-restarts {self.config.max_restarts}); its stacks "
+                                      "are in the log above", error=True)
+                restarts += 1
+                logger.warning("restarting the hung command: the next cycle %s",
+                               self._resumes_from())
+                append_event(self.store.events_path, "restart", restart=restarts, cause="hang",
+                             step=self.hangs.last_step)
                 continue
             if outcome.exit_code == EX_IOERR and not outcome.finished:
                 return self._exit(EX_IOERR, ExitReason.STORAGE_FAILED,
@@ -237,6 +242,8 @@ class Supervisor:
         env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(restarts),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         child = self._child_factory(argv, env)
+        self.hangs.start_cycle()
+        self.plan.refresh(self.hangs.step_seconds, warn_cycle=self.cycles)
         started = self._clock()
         child.start()
         notify_started = getattr(self.engine, "child_started", None)
@@ -245,11 +252,18 @@ class Supervisor:
         end = self.deadline.end(started, started)
         logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
                     child.pid, self.deadline.source,
-                    f", checkpoint at {format_duration(end - started - self._grace())}"
+                    f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"
                     if end is not None else "")
         append_event(self.store.events_path, "cycle", cycle=self.cycles, pid=child.pid,
                      restart=restarts, engine=self.engine.name)
-        outcome = self._watch(child, started)
+        watch = CycleWatch(child, started, self.cycles, self.engine, self.deadline, self.plan,
+                           self.hangs, self.store, self._actions, self._clock,
+                           self._wait,  # type: ignore[arg-type]
+                           term_timeout=self.config.term_timeout,
+                           reap_orphans=self._reap_orphans)
+        carried, self._carried_signals = self._carried_signals, []
+        outcome = watch.run(carried)
+        self._carried_signals = watch.carried
         outcome.connected = outcome.connected or self.engine.connected()
         final = self.engine.end_cycle()
         if outcome.confirmed is None and final is not None:
@@ -257,7 +271,7 @@ class Supervisor:
             # stopped itself): the journal still gets its confirmation.
             outcome.confirmed = final
             since = outcome.stop_started if outcome.stop_started is not None else started
-            self._log_confirmed(final, self._clock() - since)
+            log_confirmed(self.store, final, self._clock() - since, self.cycles)
         after_exit = getattr(self.engine, "after_exit", None)
         if after_exit is not None:
             requested = (outcome.stop_cause is not None or outcome.confirmed is not None
@@ -266,126 +280,6 @@ class Supervisor:
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         return outcome
-
-    def _grace(self) -> float:
-        limit = getattr(self.deadline, "limit", None)
-        return self.config.grace_for(limit)
-
-    def _watch(self, child: Child, started: float) -> CycleOutcome:
-        """Watch the command until it exits, or is stopped after its checkpoint (or grace)."""
-        interval = self.config.interval
-        watch = _Watch(CycleOutcome(exit_code=-1), started + interval if interval else None)
-        while True:
-            now = self._clock()
-            end = self.deadline.end(started, now)
-            trigger_at = end - self._grace() if end is not None else None
-            for signum in self._wait(self._next_wake(watch, now, trigger_at)):  # type: ignore[misc]
-                self._on_signal(signum, watch, child, now)
-            if self._reap_orphans:
-                pid1.reap_orphans({child.pid})
-            rc = child.poll()
-            if rc is None:
-                now = self._clock()
-                self._on_time(watch, child, now, trigger_at)
-                rc = self._follow_stop(watch, child, now)
-            else:
-                child.kill_leftovers()
-            if rc is not None:
-                watch.outcome.exit_code = rc
-                return watch.outcome
-
-    def _next_wake(self, watch: _Watch, now: float, trigger_at: float | None) -> float:
-        """Seconds until the loop has something to do, if no signal comes first."""
-        moments = [watch.next_interval]
-        moments.append(trigger_at if watch.stop is None else watch.stop.give_up_at)
-        return min([TICK] + [max(0.0, t - now) for t in moments if t is not None])
-
-    def _on_signal(self, signum: int, watch: _Watch, child: Child, now: float) -> None:
-        action = self._actions.get(signum)
-        name = signal.Signals(signum).name
-        outcome = watch.outcome
-        if action is Action.FORWARD:
-            watch.sigints += signum == signal.SIGINT
-            if watch.sigints >= 2:
-                logger.warning("second SIGINT: killing the command")
-                child.kill_leftovers()
-            else:
-                child.signal(signum)
-                if signum != signal.SIGCONT:
-                    outcome.forwarded.append(name)
-        elif action is Action.CHECKPOINT_STOP and watch.stop is None:
-            outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
-            watch.stop = self._begin_stop(name, now, child, outcome)
-        elif action is Action.CHECKPOINT and watch.stop is None:
-            self._trigger("checkpoint", name, child)
-
-    def _on_time(self, watch: _Watch, child: Child, now: float, trigger_at: float | None,
-                 ) -> None:
-        """The deadline's checkpoint, and the periodic one, when their time has come."""
-        if watch.stop is None and trigger_at is not None and now >= trigger_at:
-            watch.outcome.stop_cause = StopCause.DEADLINE
-            watch.stop = self._begin_stop("deadline", now, child, watch.outcome)
-        if watch.next_interval is not None and now >= watch.next_interval:
-            watch.next_interval = now + self.config.interval  # type: ignore[operator]
-            if watch.stop is None:
-                self._trigger("checkpoint", "interval", child)
-
-    def _follow_stop(self, watch: _Watch, child: Child, now: float) -> int | None:
-        """Follow a stop in progress; the command's exit code once we stopped it."""
-        stop, outcome = watch.stop, watch.outcome
-        if stop is None:
-            return None
-        if stop.exit_by is not None:  # confirmed: the command may still exit by itself
-            return self._stop_child(child) if now >= stop.exit_by else None
-        outcome.confirmed = self.engine.confirmation(stop.seq)
-        if outcome.confirmed is not None:
-            outcome.connected = True
-            stop.exit_by = now + EXIT_AFTER_CONFIRM
-            self._log_confirmed(outcome.confirmed, now - stop.asked_at)
-            return None
-        if now < stop.give_up_at:
-            return None
-        connected = outcome.connected or self.engine.connected()
-        logger.warning("no checkpoint confirmed within the %s grace%s; stopping the command",
-                       format_duration(self._grace()),
-                       "" if connected else " (the command never connected to procckpt)")
-        append_event(self.store.events_path, "unconfirmed", cycle=self.cycles)
-        return self._stop_child(child)
-
-    def _begin_stop(self, reason: str, now: float, child: Child, outcome: CycleOutcome,
-                    ) -> _Stop:
-        outcome.stop_started = now
-        seq = self._trigger("stop", reason, child)
-        return _Stop(seq, asked_at=now, give_up_at=now + self._grace())
-
-    def _trigger(self, action: str, reason: str, child: Child) -> int:
-        logger.info("asking for a checkpoint%s (%s)", " then stop" if action == "stop" else "",
-                    reason)
-        append_event(self.store.events_path, "trigger", action=action, reason=reason,
-                     cycle=self.cycles)
-        try:
-            return self.engine.request(action, reason)
-        except RequestUndelivered as e:
-            # The launcher goes on supervising: a stop is then asked for the way a scheduler
-            # would, with SIGTERM, which the Checkpointer also takes as "checkpoint, then stop".
-            logger.warning("%s%s", e, "; sending SIGTERM instead" if action == "stop" else "")
-            if action == "stop":
-                child.signal(signal.SIGTERM)
-            return e.seq
-
-    def _log_confirmed(self, c: Confirmation, waited: float) -> None:
-        if c.checkpoint is None:
-            logger.warning("the checkpoint failed after %.1fs: %s", waited, c.error or "unknown")
-        else:
-            logger.info("checkpoint %s confirmed (step %s) after %.1fs", c.checkpoint, c.step,
-                        waited)
-        append_event(self.store.events_path, "confirmed", checkpoint=c.checkpoint, step=c.step,
-                     seconds=round(waited, 3), cycle=self.cycles)
-
-    def _stop_child(self, child: Child) -> int:
-        rc = child.stop(term_timeout=self.config.term_timeout)
-        return rc if rc is not None else 128 + signal.SIGKILL
-
 
 def _ending(code: int) -> str:
     """How the command ended, in words: 'was killed by signal 9 (SIGKILL)' or 'failed with
@@ -402,4 +296,3 @@ def _cause_text(outcome: CycleOutcome) -> str:
     if outcome.stop_cause is StopCause.DEADLINE:
         return "its time limit was near"
     return outcome.stop_signal or "stop request"
-

@@ -9,8 +9,11 @@ training process polls it at its safe points: a ``stat`` every few hundred milli
     launcher                                   training process (procckpt.Checkpointer)
     --------                                   ----------------------------------------
     env PROCCKPT_TOKEN=<cycle token>    ->     writes control/hello-<token>.json at start
+                                        <-     control/heartbeat.json {token, step, time}, at
+                                               most every second while steps complete
     control/request.json {seq, action}  ->     at the next safe point: save (and exit)
                                         <-     control/ack.json {token, seq, checkpoint, stopping}
+    SIGURG to the process group         ->     every Python process prints its stacks (hangs)
 
 Every file carries the token of the launcher cycle it belongs to, so a leftover request or
 ack from an earlier cycle or job is never mistaken for a current one.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,8 +31,8 @@ from typing import Any
 
 from ..store import write_file_atomic
 
-__all__ = ["Request", "Ack", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART", "ENV_CYCLE",
-           "ENV_ENGINE"]
+__all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
+           "ENV_CYCLE", "ENV_ENGINE", "STACK_DUMP_SIGNAL"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
 ENV_DIR = "PROCCKPT_DIR"
@@ -36,6 +40,11 @@ ENV_RESTART = "PROCCKPT_RESTART"
 ENV_CYCLE = "PROCCKPT_CYCLE"
 ENV_ENGINE = "PROCCKPT_ENGINE_IN_USE"  # the engine procckpt run checkpoints the command with
 ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
+
+#: Asks every process of the training to print its Python stacks (``faulthandler``). Its default
+#: action is to be ignored, so processes that did not register for it (torchrun's agent, a
+#: shell, the keeper) are not harmed by it; nothing else here sends it.
+STACK_DUMP_SIGNAL = signal.SIGURG
 
 ACTION_CHECKPOINT = "checkpoint"  # save and go on training
 ACTION_STOP = "stop"  # save, then exit
@@ -61,6 +70,14 @@ class Ack:
     time: float = 0.0
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """The training's last word that it is making progress: the step it reached, and when."""
+
+    step: int
+    time: float  # wall clock, seconds since the epoch
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
@@ -77,8 +94,11 @@ class ControlChannel:
         self.token = token
         self.request_path = control_dir / "request.json"
         self.ack_path = control_dir / "ack.json"
+        self.heartbeat_path = control_dir / "heartbeat.json"
         self._seen: tuple[int, int] | None = None
         self._last_seq = 0
+        self._beat_seen: tuple[int, int] | None = None
+        self._beat: Heartbeat | None = None
 
     # launcher side -------------------------------------------------------------------------
     def send(self, seq: int, action: str, reason: str) -> Request:
@@ -99,6 +119,24 @@ class ControlChannel:
         """What the training process said when it started in this cycle, if it did."""
         return _read_json(self.dir / f"hello-{self.token}.json")
 
+    def heartbeat(self) -> Heartbeat | None:
+        """The newest heartbeat of this cycle's training, if it sent one. Cheap when nothing
+        changed (a ``stat``)."""
+        try:
+            st = self.heartbeat_path.stat()
+        except FileNotFoundError:
+            return self._beat
+        key = (st.st_ino, st.st_mtime_ns)
+        if key != self._beat_seen:
+            self._beat_seen = key
+            data = _read_json(self.heartbeat_path)
+            if data and data.get("token") == self.token:
+                try:
+                    self._beat = Heartbeat(int(data["step"]), float(data["time"]))
+                except (KeyError, TypeError, ValueError):
+                    pass
+        return self._beat
+
     def clear(self) -> None:
         for p in self.dir.glob("*.json"):
             try:
@@ -110,6 +148,11 @@ class ControlChannel:
     def say_hello(self, **fields: Any) -> None:
         info = {"pid": os.getpid(), "time": time.time(), **fields}
         write_file_atomic(self.dir / f"hello-{self.token}.json", json.dumps(info).encode())
+
+    def beat(self, step: int) -> None:
+        """Say that ``step`` was reached (not fsynced: it only says how things are now)."""
+        info = {"token": self.token, "step": step, "time": time.time()}
+        write_file_atomic(self.heartbeat_path, json.dumps(info).encode(), durable=False)
 
     def poll(self) -> Request | None:
         """Return a new request for this cycle, or None. Cheap when nothing changed."""

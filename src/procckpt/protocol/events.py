@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_event", "read_events"]
+__all__ = ["append_event", "read_events", "EventTail"]
 
 _unwritable: set[Path] = set()
 
@@ -55,3 +55,45 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
                     yield event
     except FileNotFoundError:
         return
+
+
+class EventTail:
+    """The journal's new events since the last call: for a reader that follows a run (the
+    launcher learns checkpoint costs from it). Cheap when nothing was appended (a ``stat``)."""
+
+    def __init__(self, path: Path, *, from_start: bool = True) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+        if not from_start:
+            try:
+                self._offset = path.stat().st_size
+            except OSError:
+                pass
+
+    def new_events(self) -> list[dict[str, Any]]:
+        try:
+            size = self.path.stat().st_size
+        except OSError:
+            return []
+        if size < self._offset:  # replaced (an archive, a new dir): start over
+            self._offset, self._partial = 0, b""
+        if size == self._offset:
+            return []
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read(size - self._offset)
+        except OSError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        events = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                events.append(event)
+        return events

@@ -47,8 +47,8 @@ __all__ = ["SbatchSpec", "parse_sbatch_args", "render_job_script", "submit", "sb
 logger = logging.getLogger(__name__)
 
 #: ``procckpt run`` options that ``procckpt sbatch`` passes on (they take a value).
-RUN_VALUE_OPTIONS = ("--dir", "--grace", "--interval", "--max-restarts", "--engine", "--keep",
-                     "--term-timeout", "--checkpoint-signal", "--config")
+RUN_VALUE_OPTIONS = ("--dir", "--grace", "--interval", "--mtbf", "--hang-timeout", "--max-restarts",
+                     "--engine", "--keep", "--term-timeout", "--checkpoint-signal", "--config")
 RUN_FLAG_OPTIONS = ("--restart-on-failure", "--no-restart-on-failure")
 #: Options of the sbatch command itself, not of the job: they stay on its command line.
 SUBMIT_FLAGS = ("--parsable", "--test-only", "--wait", "-W", "--quiet", "-Q")

@@ -130,24 +130,27 @@ def read_with_retries(path: Path, read: Any, pauses: tuple[float, ...] = READ_RE
     raise AssertionError("unreachable")
 
 
-def write_file_atomic(path: Path, data: bytes) -> None:
+def write_file_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new content, never a mix.
 
     The temporary file lives beside the target because rename is atomic only within one
-    filesystem; its name is unique so that two writers never share one.
+    filesystem; its name is unique so that two writers never share one. ``durable=False``
+    skips the fsyncs, for files that only say how things are now (a heartbeat).
     """
     tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         with open_new_file(tmp) as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 class ChecksumWriter:

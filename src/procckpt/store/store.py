@@ -327,6 +327,24 @@ class CheckpointStore:
         mode = scored[0].manifest.get("metric_mode", "max")
         return (max if mode == "max" else min)(scored, key=lambda i: i.metric)  # type: ignore[arg-type,return-value]
 
+    def room_shortfall(self) -> str | None:
+        """Why the dir's file system may not hold the checkpoints it is to keep, or None: keeping
+        N checkpoints needs room for N + 1 while the next one is written."""
+        try:
+            infos = self.checkpoints()
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return None
+        if not infos:
+            return None
+        need = (self.keep + 1) * infos[0].nbytes
+        held = sum(info.nbytes for info in infos)  # pruning gives their room to new ones
+        if free + held >= need:
+            return None
+        return (f"only {_size(free)} free in {self.root}, and keeping {self.keep} checkpoints "
+                f"of {_size(infos[0].nbytes)} each needs up to {_size(need)} while the next is "
+                "written: make room or lower --keep")
+
     # -- completion -------------------------------------------------------------------------
     def completion(self) -> dict[str, Any] | None:
         """What the finished run noted in ``COMPLETE``; None while training is not done."""
@@ -360,3 +378,11 @@ class CheckpointStore:
         self.ckpt_root.mkdir()
         fsync_dir(self.root)
         return dest
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

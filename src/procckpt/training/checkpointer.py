@@ -350,6 +350,7 @@ class Checkpointer:
         triggers = self._triggers
         now = time.monotonic()
         triggers.poll(now)
+        triggers.beat(now, self.step)
         flags = triggers.wanted(now, epoch_end, self.epoch)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.

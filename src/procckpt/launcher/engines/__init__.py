@@ -9,7 +9,8 @@ them: ``child_started(pid)`` (the cycle's command runs as ``pid``, leader of its
 group) and ``after_exit(exit_code, requested) -> str | None`` (called after ``end_cycle``;
 ``requested`` says whether the supervisor stopped or signalled the command; a message means
 "run another cycle, this one failed for the engine's reasons", e.g. a process image that could
-not be restored, and says why).
+not be restored, and says why), and ``progress() -> Heartbeat | None`` (the step the training
+last said it reached, and when: what hang detection watches).
 """
 
 from __future__ import annotations

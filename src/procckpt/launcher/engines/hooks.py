@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel
+from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel, Heartbeat
 from ...store import CheckpointStore
 from . import Confirmation, RequestUndelivered
 
@@ -44,6 +44,11 @@ class HooksEngine:
     def connected(self) -> bool:
         assert self._channel is not None
         return self._channel.hello() is not None
+
+    def progress(self) -> Heartbeat | None:
+        """The training's newest heartbeat in this cycle (for hang detection)."""
+        assert self._channel is not None
+        return self._channel.heartbeat()
 
     def end_cycle(self) -> Confirmation | None:
         assert self._channel is not None

@@ -44,6 +44,15 @@ class SlurmDeadline:
                                        if local_limit is not None else "")
 
     @property
+    def kill_wait(self) -> float | None:
+        """Seconds between Slurm's SIGTERM and its SIGKILL (``KillWait``), read once."""
+        if not hasattr(self, "_kill_wait"):
+            text = self.job.config_value("KillWait") if self.job.has("scontrol") else None
+            number = (text or "").split()[0] if text else ""
+            self._kill_wait = float(number) if number.isdigit() else None
+        return self._kill_wait
+
+    @property
     def limit(self) -> float | None:
         """The length of a cycle, which the default grace is a quarter of (at most 60 s)."""
         limits = [x for x in (self.slurm_limit, self.local_limit) if x is not None]

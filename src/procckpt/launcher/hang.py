@@ -1,0 +1,116 @@
+"""Hang detection: no step completed for ``--hang-timeout`` means the training is stuck.
+
+The training's safe points are its heartbeat: the hooks engine passes the step reached to the
+launcher (``control/heartbeat.json``, at most every second). When the step has not moved for
+the timeout, the launcher has every Python process of the command print its stacks into the
+log (``faulthandler`` on SIGURG, registered by the Checkpointer; ``py-spy dump`` too when it
+is installed), stops the command and restarts it from its last checkpoint. ``auto`` is
+``max(10 min, 50 x the median step time)``. In a process group any stuck rank stops rank 0 at
+its next collective, so rank 0's heartbeat covers the group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import statistics
+import subprocess
+from collections import deque
+
+from ..protocol.control import Heartbeat
+
+__all__ = ["HangWatch", "py_spy_dump"]
+
+logger = logging.getLogger(__name__)
+
+#: ``auto``: at least this long, and at least this many median step times.
+AUTO_MIN = 600.0
+AUTO_STEPS = 50
+
+
+class HangWatch:
+    """Follows one cycle's heartbeats and says when the training stopped making progress.
+
+    Times are the launcher's monotonic clock: when it *saw* the step change.
+    """
+
+    def __init__(self, setting: float | str | None) -> None:
+        self.setting = setting
+        self._step_times: deque[float] = deque(maxlen=50)
+        self.start_cycle()
+
+    def start_cycle(self) -> None:
+        self._last: tuple[int, float] | None = None  # (step, when it was seen to change)
+
+    @property
+    def enabled(self) -> bool:
+        return self.setting is not None
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The median seconds per step seen so far (in every cycle of this run)."""
+        return statistics.median(self._step_times) if self._step_times else None
+
+    @property
+    def timeout(self) -> float | None:
+        if self.setting is None:
+            return None
+        if isinstance(self.setting, str):  # auto
+            per_step = self.step_seconds
+            return max(AUTO_MIN, AUTO_STEPS * per_step) if per_step else AUTO_MIN
+        return float(self.setting)
+
+    def observe(self, beat: Heartbeat | None, connected: bool, now: float) -> None:
+        """Note the newest heartbeat (the clock starts once the training connected)."""
+        if beat is None:
+            if connected and self._last is None:
+                self._last = (-1, now)
+            return
+        if self._last is None or beat.step != self._last[0]:
+            if self._last is not None and self._last[0] >= 0 and beat.step > self._last[0]:
+                self._step_times.append((now - self._last[1]) / (beat.step - self._last[0]))
+            self._last = (beat.step, now)
+
+    def stuck_for(self, now: float) -> float | None:
+        """Seconds without progress, once that is longer than the timeout; else None."""
+        timeout = self.timeout
+        if timeout is None or self._last is None:
+            return None
+        quiet = now - self._last[1]
+        return quiet if quiet > timeout else None
+
+    @property
+    def last_step(self) -> int | None:
+        return None if self._last is None or self._last[0] < 0 else self._last[0]
+
+
+def py_spy_dump(pgid: int, timeout: float = 10.0) -> None:
+    """Log ``py-spy dump`` of every process in the group ``pgid``, where py-spy is installed."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        return
+    for pid in _group_members(pgid):
+        try:
+            done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True,
+                                  text=True, timeout=timeout)
+        except (OSError, subprocess.SubprocessError) as e:
+            logger.debug("py-spy dump of %d failed: %s", pid, e)
+            continue
+        if done.returncode == 0 and done.stdout.strip():
+            logger.error("py-spy dump of pid %d:\n%s", pid, done.stdout.rstrip())
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid:
+            members.append(int(entry))
+    return members

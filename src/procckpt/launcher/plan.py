@@ -1,0 +1,68 @@
+"""The checkpoint plan of a run: the period of checkpoints and the deadline's lead, kept in step
+with what checkpoints cost (costs.py, interval.py, grace.py put together)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..durations import format_duration
+from ..protocol.events import append_event
+from .config import RunConfig
+from .costs import CheckpointCosts
+from .deadline import Deadline
+from .grace import Lead, deadline_lead
+from .interval import Period, choose_period
+
+__all__ = ["CheckpointPlan"]
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointPlan:
+    """When to checkpoint without stopping (``period``), and how long before the deadline to
+    ask for its checkpoint (``lead``); :meth:`refresh` re-plans from the journal."""
+
+    def __init__(self, config: RunConfig, deadline: Deadline, journal: Path) -> None:
+        self.config = config
+        self.deadline = deadline
+        self.journal = journal
+        self.costs = CheckpointCosts(journal)
+        self.period = Period(None, "not planned yet")
+        self.lead = Lead(config.grace_for(getattr(deadline, "limit", None)))
+
+    def refresh(self, step_seconds: float | None, *, warn_cycle: int | None = None) -> bool:
+        """Read the journal's new checkpoints and plan again; True if the period changed.
+
+        Args:
+            step_seconds: the training's seconds per step, where known (hang.py measures it).
+            warn_cycle: at a cycle's start: say (and journal) a grace too short for the costs.
+        """
+        costs = self.costs
+        if not costs.update() and warn_cycle is None and self.period.why != "not planned yet":
+            return False
+        durable = costs.longest_durable
+        limit = getattr(self.deadline, "limit", None)
+        self.lead = deadline_lead(self.config.grace_for(limit), durable, step_seconds, limit,
+                                  getattr(self.deadline, "kill_wait", None))
+        if warn_cycle is not None and self.lead.warning:
+            logger.warning("%s", self.lead.warning)
+            append_event(self.journal, "grace-short", lead=round(self.lead.seconds, 3),
+                         message=self.lead.warning, cycle=warn_cycle)
+        period = choose_period(self.config.interval, self.config.mtbf, costs.pause,
+                               durable[0] if durable else None)
+        old, self.period = self.period, period
+        if period.seconds == old.seconds:
+            return False
+        # Said (and journalled for procckpt status) when it is new, has a new basis (the first
+        # measurement), or moved by over 10 %.
+        if old.seconds is None or period.seconds is None \
+                or period.why.split(":")[0] != old.why.split(":")[0] \
+                or abs(period.seconds - old.seconds) > 0.1 * old.seconds:
+            if period.seconds is not None:
+                logger.info("periodic checkpoints every %s (%s)",
+                            format_duration(period.seconds), period.why)
+            append_event(self.journal, "interval",
+                         seconds=None if period.seconds is None else round(period.seconds, 3),
+                         why=period.why)
+        return True

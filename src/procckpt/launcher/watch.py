@@ -1,0 +1,231 @@
+"""Watching one cycle's command: signals, the deadline, periodic checkpoints, the stop's grace, hangs.
+
+The watch ends when the command exits, or when the launcher stopped it: after its checkpoint
+was confirmed (or the grace ran out), or after it hung. What happened is its
+:class:`~procckpt.launcher.results.CycleOutcome`; the supervisor decides what follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..durations import format_duration
+from ..protocol import control as ctl
+from ..protocol.events import append_event
+from ..store import CheckpointStore
+from . import pid1
+from .child import Child
+from .deadline import Deadline
+from .engines import Confirmation, Engine, RequestUndelivered
+from .hang import HangWatch, py_spy_dump
+from .plan import CheckpointPlan
+from .restart import StopCause
+from .results import CycleOutcome
+from .signals import Action
+
+__all__ = ["CycleWatch", "log_confirmed"]
+
+logger = logging.getLogger(__name__)
+
+#: The loop wakes at least this often (to poll the child and the deadline).
+TICK = 1.0
+#: After the checkpoint is confirmed, the command gets this long to exit by itself.
+EXIT_AFTER_CONFIRM = 15.0
+#: After asking a hung command for its stacks, this long for them to reach the log.
+STACK_DUMP_WAIT = 2.0
+
+
+@dataclass
+class _Stop:
+    """A checkpoint-then-stop in progress."""
+
+    seq: int  # the engine's request number, to match its confirmation
+    asked_at: float
+    give_up_at: float  # no confirmation by then: the command is stopped anyway
+    exit_by: float | None = None  # once confirmed: the command has until then to exit
+
+
+@dataclass
+class CycleWatch:
+    """Watches ``child`` from ``started`` until it exits or is stopped; see :meth:`run`."""
+
+    child: Child
+    started: float
+    cycle: int
+    engine: Engine
+    deadline: Deadline
+    plan: CheckpointPlan
+    hangs: HangWatch
+    store: CheckpointStore
+    actions: dict[int, Action]
+    clock: Callable[[], float]
+    wait: Callable[[float], list[int]]
+    term_timeout: float = 10.0
+    reap_orphans: bool = False
+    outcome: CycleOutcome = field(default_factory=lambda: CycleOutcome(exit_code=-1))
+    stop: _Stop | None = None
+    sigints: int = 0
+    #: Signals that arrived while a hung command printed its stacks: for the next cycle.
+    carried: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.interval_from = self.started  # the last periodic checkpoint, or the start
+        period = self.plan.period.seconds
+        self.next_interval = self.started + period if period is not None else None
+
+    def run(self, signals: list[int] = ()) -> CycleOutcome:  # type: ignore[assignment]
+        """Watch until the command is gone; ``signals`` arrived before (a previous cycle's)."""
+        for signum in signals:
+            self._on_signal(signum, self.started)
+        child = self.child
+        while True:
+            now = self.clock()
+            end = self.deadline.end(self.started, now)
+            trigger_at = end - self.plan.lead.seconds if end is not None else None
+            for signum in self.wait(self._next_wake(now, trigger_at)):
+                self._on_signal(signum, now)
+            if self.reap_orphans:
+                pid1.reap_orphans({child.pid})
+            rc = child.poll()
+            if rc is None:
+                now = self.clock()
+                self._learn()
+                self._on_time(now, trigger_at)
+                rc = self._follow_stop(now)
+                if rc is None and self.stop is None:
+                    rc = self._check_hang(now)
+            else:
+                child.kill_leftovers()
+            if rc is not None:
+                self.outcome.exit_code = rc
+                return self.outcome
+
+    def _next_wake(self, now: float, trigger_at: float | None) -> float:
+        """Seconds until the loop has something to do, if no signal comes first."""
+        moments = [self.next_interval,
+                   trigger_at if self.stop is None else self.stop.give_up_at]
+        return min([TICK] + [max(0.0, t - now) for t in moments if t is not None])
+
+    def _on_signal(self, signum: int, now: float) -> None:
+        action = self.actions.get(signum)
+        name = signal.Signals(signum).name
+        outcome = self.outcome
+        if action is Action.FORWARD:
+            self.sigints += signum == signal.SIGINT
+            if self.sigints >= 2:
+                logger.warning("second SIGINT: killing the command")
+                self.child.kill_leftovers()
+            else:
+                self.child.signal(signum)
+                if signum != signal.SIGCONT:
+                    outcome.forwarded.append(name)
+        elif action is Action.CHECKPOINT_STOP and self.stop is None:
+            outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
+            self._begin_stop(name, now)
+        elif action is Action.CHECKPOINT and self.stop is None:
+            self._trigger("checkpoint", name)
+
+    def _on_time(self, now: float, trigger_at: float | None) -> None:
+        """The deadline's checkpoint, and the periodic one, when their time has come."""
+        if self.stop is None and trigger_at is not None and now >= trigger_at:
+            self.outcome.stop_cause = StopCause.DEADLINE
+            self._begin_stop("deadline", now)
+        if self.next_interval is not None and now >= self.next_interval:
+            self.interval_from = now
+            period = self.plan.period.seconds
+            self.next_interval = now + period if period is not None else None
+            # Not before the training can answer: a plain command would be asked in vain.
+            if self.stop is None and self._connected():
+                self._trigger("checkpoint", "interval")
+
+    def _learn(self) -> None:
+        """Follow the journal: a measured checkpoint may change the period and the lead."""
+        if self.plan.refresh(self.hangs.step_seconds):
+            period = self.plan.period.seconds
+            self.next_interval = self.interval_from + period if period is not None else None
+
+    def _connected(self) -> bool:
+        self.outcome.connected = self.outcome.connected or self.engine.connected()
+        return self.outcome.connected
+
+    def _check_hang(self, now: float) -> int | None:
+        """Stop a command whose steps stopped, after printing its stacks; its exit code."""
+        progress = getattr(self.engine, "progress", None)
+        if not self.hangs.enabled or progress is None:
+            return None
+        self.hangs.observe(progress(), self._connected(), now)
+        quiet = self.hangs.stuck_for(now)
+        if quiet is None:
+            return None
+        step = self.hangs.last_step
+        logger.error("no step completed for %s (%s); the training looks stuck: the stacks of "
+                     "its processes follow, then it is stopped and restarted from its last "
+                     "checkpoint", format_duration(quiet),
+                     "before its first step" if step is None else f"last step {step}")
+        append_event(self.store.events_path, "hang", step=step, seconds=round(quiet, 3),
+                     timeout=self.hangs.timeout, cycle=self.cycle)
+        self.child.signal(ctl.STACK_DUMP_SIGNAL)
+        py_spy_dump(self.child.pid)
+        self.carried += self.wait(STACK_DUMP_WAIT)
+        self.outcome.hung = True
+        return self._stop_child()
+
+    def _follow_stop(self, now: float) -> int | None:
+        """Follow a stop in progress; the command's exit code once we stopped it."""
+        stop, outcome = self.stop, self.outcome
+        if stop is None:
+            return None
+        if stop.exit_by is not None:  # confirmed: the command may still exit by itself
+            return self._stop_child() if now >= stop.exit_by else None
+        outcome.confirmed = self.engine.confirmation(stop.seq)
+        if outcome.confirmed is not None:
+            outcome.connected = True
+            stop.exit_by = now + EXIT_AFTER_CONFIRM
+            log_confirmed(self.store, outcome.confirmed, now - stop.asked_at, self.cycle)
+            return None
+        if now < stop.give_up_at:
+            return None
+        logger.warning("no checkpoint confirmed within the %s grace%s; stopping the command",
+                       format_duration(self.plan.lead.seconds),
+                       "" if self._connected() else " (the command never connected to "
+                       "procckpt)")
+        append_event(self.store.events_path, "unconfirmed", cycle=self.cycle)
+        return self._stop_child()
+
+    def _begin_stop(self, reason: str, now: float) -> None:
+        self.outcome.stop_started = now
+        seq = self._trigger("stop", reason)
+        self.stop = _Stop(seq, asked_at=now, give_up_at=now + self.plan.lead.seconds)
+
+    def _trigger(self, action: str, reason: str) -> int:
+        logger.info("asking for a checkpoint%s (%s)", " then stop" if action == "stop" else "",
+                    reason)
+        append_event(self.store.events_path, "trigger", action=action, reason=reason,
+                     cycle=self.cycle)
+        try:
+            return self.engine.request(action, reason)
+        except RequestUndelivered as e:
+            # The launcher goes on supervising: a stop is then asked for the way a scheduler
+            # would, with SIGTERM, which the Checkpointer also takes as "checkpoint, then stop".
+            logger.warning("%s%s", e, "; sending SIGTERM instead" if action == "stop" else "")
+            if action == "stop":
+                self.child.signal(signal.SIGTERM)
+            return e.seq
+
+    def _stop_child(self) -> int:
+        rc = self.child.stop(term_timeout=self.term_timeout)
+        return rc if rc is not None else 128 + signal.SIGKILL
+
+
+def log_confirmed(store: CheckpointStore, c: Confirmation, waited: float, cycle: int) -> None:
+    """Say (and journal) that the engine confirmed checkpoint ``c`` after ``waited`` seconds."""
+    if c.checkpoint is None:
+        logger.warning("the checkpoint failed after %.1fs: %s", waited, c.error or "unknown")
+    else:
+        logger.info("checkpoint %s confirmed (step %s) after %.1fs", c.checkpoint, c.step,
+                    waited)
+    append_event(store.events_path, "confirmed", checkpoint=c.checkpoint, step=c.step,
+                 seconds=round(waited, 3), cycle=cycle)

@@ -1,0 +1,159 @@
+"""The checkpoint plan's parts: the period (interval.py), the deadline's lead (grace.py), the
+costs learned from a real journal (costs.py), hang detection (hang.py), and the room check of
+the store on a real, small tmpfs."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from procckpt.launcher.costs import CheckpointCosts
+from procckpt.launcher.grace import deadline_lead
+from procckpt.launcher.hang import AUTO_MIN, HangWatch
+from procckpt.launcher.interval import FIRST_AUTO_MAX, choose_period, young_daly
+from procckpt.protocol.control import ControlChannel, Heartbeat
+from procckpt.protocol.events import EventTail, append_event
+from procckpt.store import CheckpointStore
+
+
+# -- the period --------------------------------------------------------------------------------
+def test_young_daly_is_sqrt_2_c_m_minus_c():
+    assert young_daly(2.0, 3600) == pytest.approx(math.sqrt(2 * 2 * 3600) - 2)
+    assert young_daly(3000, 3600) == 3600  # a checkpoint as long as half the MTBF: once per MTBF
+
+
+def test_the_first_auto_period_measures_soon_and_the_next_follow_the_cost():
+    first = choose_period("auto", 24 * 3600, pause=None)
+    assert first.seconds == FIRST_AUTO_MAX and "measure" in first.why
+    short_mtbf = choose_period("auto", 60, pause=None)
+    assert short_mtbf.seconds == pytest.approx(young_daly(1.0, 60))
+    measured = choose_period("auto", 24 * 3600, pause=0.5, durable=2.0)
+    assert measured.seconds == pytest.approx(young_daly(0.5, 24 * 3600))
+    assert "Young/Daly" in measured.why
+
+
+def test_auto_checkpoints_take_at_most_one_percent_and_never_queue_behind_a_write():
+    cheap_but_slow_to_write = choose_period("auto", 600, pause=0.01, durable=30.0)
+    assert cheap_but_slow_to_write.seconds == 60.0 and "twice" in cheap_but_slow_to_write.why
+    costly = choose_period("auto", 60, pause=1.0)  # Young/Daly says 10 s: 10 % of the run
+    assert costly.seconds == 100.0 and "1%" in costly.why
+
+
+def test_a_fixed_or_no_interval_is_kept():
+    assert choose_period(600.0, 3600, pause=5.0).seconds == 600.0
+    assert choose_period(None, 3600, pause=5.0).seconds is None
+
+
+# -- the lead ----------------------------------------------------------------------------------
+def test_the_grace_stands_until_a_checkpoint_is_measured_slower():
+    assert deadline_lead(60.0, None, None).seconds == 60.0
+    fits = deadline_lead(60.0, (10.0, "ckpt-00000003"), 0.5)
+    assert fits.seconds == 60.0 and fits.warning is None
+
+
+def test_a_slow_checkpoint_widens_the_lead_and_says_the_grace_to_use():
+    lead = deadline_lead(60.0, (50.0, "ckpt-00000007"), 1.0)
+    assert lead.seconds == pytest.approx(1.5 * 50 + 1 + 2)
+    assert "ckpt-00000007 took 50.0s" in lead.warning and "pass --grace 78s" in lead.warning
+
+
+def test_the_lead_leaves_a_short_cycle_half_its_time():
+    lead = deadline_lead(10.0, (50.0, "ckpt-00000001"), None, limit=60.0)
+    assert lead.seconds == 30.0 and "longer time limit" in lead.warning
+
+
+def test_slurms_kill_wait_shorter_than_a_checkpoint_is_said():
+    lead = deadline_lead(120.0, (45.0, "ckpt-00000002"), None, kill_wait=30.0)
+    assert lead.seconds == 120.0 and "KillWait=30s" in lead.warning
+
+
+# -- costs from the journal ------------------------------------------------------------------
+def test_costs_follow_the_journal_as_it_grows(tmp_path: Path):
+    journal = tmp_path / "events.jsonl"
+    costs = CheckpointCosts(journal)
+    assert not costs.update() and costs.pause is None and costs.longest_durable is None
+    append_event(journal, "checkpoint", checkpoint="ckpt-00000001", seconds=2.0, stall=0.1)
+    append_event(journal, "checkpoint", checkpoint="ckpt-00000002", seconds=3.0)  # synchronous
+    append_event(journal, "trigger", action="checkpoint")
+    assert costs.update()
+    assert costs.pause == pytest.approx((0.1 + 3.0) / 2)
+    append_event(journal, "confirmed", checkpoint="ckpt-00000003", seconds=9.5)
+    append_event(journal, "confirmed", checkpoint=None, seconds=99.0)  # a failed one: no cost
+    assert costs.update() and costs.longest_durable == (9.5, "ckpt-00000003")
+    assert not costs.update()
+
+
+def test_the_tail_skips_a_line_cut_short_and_reads_it_once_complete(tmp_path: Path):
+    journal = tmp_path / "events.jsonl"
+    tail = EventTail(journal)
+    with open(journal, "w") as f:
+        f.write('{"event": "a"}\n{"event": "b"')
+    assert [e["event"] for e in tail.new_events()] == ["a"]
+    with open(journal, "a") as f:
+        f.write(', "x": 1}\n')
+    assert tail.new_events() == [{"event": "b", "x": 1}]
+
+
+# -- hangs -------------------------------------------------------------------------------------
+def test_the_heartbeat_goes_through_the_control_dir(tmp_path: Path):
+    training, launcher = ControlChannel(tmp_path, "tok"), ControlChannel(tmp_path, "tok")
+    assert launcher.heartbeat() is None
+    training.beat(7)
+    beat = launcher.heartbeat()
+    assert beat is not None and beat.step == 7
+    ControlChannel(tmp_path, "another cycle").beat(99)
+    assert launcher.heartbeat().step == 7  # another cycle's heartbeat is not this one's
+
+
+def test_hang_detection_starts_with_the_connection_and_measures_steps():
+    hangs = HangWatch(30.0)
+    hangs.observe(None, connected=False, now=0.0)
+    assert hangs.stuck_for(1000.0) is None  # not connected: a slow start is no hang
+    hangs.observe(None, connected=True, now=1000.0)
+    for step in range(10):
+        hangs.observe(Heartbeat(step, 0.0), connected=True, now=1001.0 + 2 * step)
+    assert hangs.step_seconds == pytest.approx(2.0) and hangs.last_step == 9
+    assert hangs.stuck_for(1019.0 + 30) is None
+    assert hangs.stuck_for(1019.0 + 31) == pytest.approx(31)
+
+
+def test_auto_hang_timeout_is_ten_minutes_or_fifty_steps():
+    hangs = HangWatch("auto")
+    assert hangs.timeout == AUTO_MIN
+    hangs.observe(Heartbeat(0, 0.0), True, 0.0)
+    hangs.observe(Heartbeat(1, 0.0), True, 60.0)  # a minute per step
+    assert hangs.timeout == 50 * 60.0
+    assert HangWatch(None).timeout is None
+
+
+# -- room for the checkpoints to keep (a real 4 MiB tmpfs) ------------------------------------
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_dir_too_small_for_the_checkpoints_to_keep_is_said(tiny_fs: Path):
+    store = CheckpointStore(tiny_fs / "ckpt", keep=2).open()
+    with store.begin({"step": 1}) as pending:
+        (pending.path / "state.pt").write_bytes(os.urandom(1_500_000))
+        pending.add_file("state.pt")
+        pending.commit()
+    message = store.room_shortfall()
+    assert message is not None and "keeping 2 checkpoints of 1.5 MB" in message, message
+    assert "make room or lower --keep" in message
+    assert CheckpointStore(tiny_fs / "ckpt", keep=1).open().room_shortfall() is None
