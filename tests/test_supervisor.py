@@ -15,7 +15,7 @@ from procckpt.launcher.config import RunConfig
 from procckpt.launcher.deadline import LocalDeadline, NoDeadline
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.interval import young_daly
-from procckpt.protocol.control import STACK_DUMP_SIGNAL, Heartbeat
+from procckpt.protocol.control import Heartbeat
 from procckpt.protocol.events import append_event
 from procckpt.protocol.events import read_events
 from procckpt.launcher.restart import LocalRestart
@@ -50,6 +50,7 @@ class World:
     stop_asked: float | None = None
     exited: int | None = None
     killed_with: list[int] = field(default_factory=list)
+    dumped: list[int] = field(default_factory=list)  # whose stacks were asked for
 
     @property
     def cycle(self) -> Cycle:
@@ -113,6 +114,7 @@ class FakeEngine:
     def __init__(self, world: World) -> None:
         self.world = world
         self.seq = 0
+        self.answered: set[int] = set()  # periodic checkpoints, durable and acknowledged
 
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
         return list(argv), {}
@@ -126,6 +128,7 @@ class FakeEngine:
         else:  # the training writes it in the background and journals what it cost
             append_event(w.store.events_path, "checkpoint", checkpoint=f"ckpt-{self.seq:08d}",
                          stall=w.cycle.pause, seconds=2 * w.cycle.pause, reason=reason)
+            self.answered.add(self.seq)
         return self.seq
 
     def progress(self) -> Heartbeat | None:
@@ -141,6 +144,8 @@ class FakeEngine:
         return Confirmation(f"ckpt-{w.index + 1:08d}", w.cycle.step, True, self.seq)
 
     def confirmation(self, seq: int) -> Confirmation | None:
+        if seq in self.answered:
+            return Confirmation(f"ckpt-{seq:08d}", None, False, seq)
         return self._confirmation()
 
     def connected(self) -> bool:
@@ -168,7 +173,7 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
     supervisor = Supervisor(config, store, FakeEngine(world), deadline,
                             LocalRestart(max_restarts), clock=lambda: world.now,
                             child_factory=lambda argv, env: FakeChild(world, argv, env),
-                            wait_signals=wait)
+                            wait_signals=wait, stack_dumper=world.dumped.append)
     started = time.perf_counter()
     result = supervisor.run()
     return world, result, time.perf_counter() - started
@@ -246,7 +251,7 @@ def test_a_hung_command_gets_its_stacks_dumped_and_is_restarted(tmp_path: Path):
     world, result, _ = supervise(tmp_path, cycles, time_limit=None, interval=None,
                                  hang_timeout=20.0)
     assert result.reason is ExitReason.FINISHED and result.cycles == 2
-    assert STACK_DUMP_SIGNAL in world.killed_with
+    assert world.dumped == [FakeChild.pid]
     hang = next(e for e in read_events(world.store.events_path) if e["event"] == "hang")
     assert hang["step"] == 500 and 20 <= hang["seconds"] <= 22  # 50 s at 0.1 s a step
     assert any(e["event"] == "restart" and e["cause"] == "hang"

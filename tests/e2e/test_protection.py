@@ -106,3 +106,25 @@ def test_a_grace_shorter_than_a_measured_checkpoint_is_said_with_the_number_to_u
     assert needed > 2
     # Asked that much earlier, every stop's checkpoint was confirmed in time.
     assert not events(ckpt, "unconfirmed")
+
+
+def test_a_stuck_rank_of_a_torchrun_group_is_caught_and_the_group_resumes_exactly(
+        workdir: Path):
+    from .test_torchrun import DDP, assert_same_run, torchrun, uninterrupted
+
+    args = ["--epochs", "2", "--train-size", "512", "--sleep", "0.1"]  # 2 x 16 steps
+    expected = uninterrupted(workdir, DDP, args, "plain")
+    ckpt, out = workdir / "ckpt", workdir / "hung"
+    # --engine hooks: the wrapper loads the example by path, which auto cannot see.
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "hooks", "--interval",
+               "2s", "--hang-timeout", "20s", "--term-timeout", "3s", "--",
+               *torchrun(2, PROGRAMS / "ddp_hang.py", *args, "--out", str(out))],
+              cwd=workdir, timeout=600, env={"HANG_RANK": "1", "HANG_AT_STEP": "20"})
+    assert res.returncode == 0, res.stderr[-4000:]
+    # Rank 1 sticks after its 20th step's all-reduce; rank 0 finishes step 20 and then waits
+    # in the next one's.
+    (hang,) = events(ckpt, "hang")
+    assert hang["step"] is not None and hang["step"] <= 20, hang
+    assert "stuck_forever" in res.stderr, res.stderr[-4000:]
+    assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
+    assert_same_run(expected, out)

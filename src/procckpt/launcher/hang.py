@@ -18,9 +18,9 @@ import statistics
 import subprocess
 from collections import deque
 
-from ..protocol.control import Heartbeat
+from ..protocol.control import STACK_DUMP_SIGNAL, Heartbeat
 
-__all__ = ["HangWatch", "py_spy_dump"]
+__all__ = ["HangWatch", "dump_stacks"]
 
 logger = logging.getLogger(__name__)
 
@@ -85,12 +85,23 @@ class HangWatch:
         return None if self._last is None or self._last[0] < 0 else self._last[0]
 
 
-def py_spy_dump(pgid: int, timeout: float = 10.0) -> None:
-    """Log ``py-spy dump`` of every process in the group ``pgid``, where py-spy is installed."""
+def dump_stacks(root: int, timeout: float = 10.0) -> None:
+    """Ask every process below ``root`` (the command's keeper) for its Python stacks.
+
+    Every descendant, not the process group: torchrun starts each worker in a session of its
+    own. The signal is ignored by processes that did not register for it. ``py-spy dump`` of
+    each, too, where py-spy is installed.
+    """
+    below = _descendants(root)
+    for pid in below:
+        try:
+            os.kill(pid, STACK_DUMP_SIGNAL)
+        except (ProcessLookupError, PermissionError):
+            pass
     py_spy = shutil.which("py-spy")
     if py_spy is None:
         return
-    for pid in _group_members(pgid):
+    for pid in below:
         try:
             done = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True,
                                   text=True, timeout=timeout)
@@ -101,8 +112,9 @@ def py_spy_dump(pgid: int, timeout: float = 10.0) -> None:
             logger.error("py-spy dump of pid %d:\n%s", pid, done.stdout.rstrip())
 
 
-def _group_members(pgid: int) -> list[int]:
-    members = []
+def _descendants(root: int) -> list[int]:
+    """The processes below ``root``, from /proc (parents before their children)."""
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -111,6 +123,12 @@ def _group_members(pgid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if len(fields) > 2 and int(fields[2]) == pgid:
-            members.append(int(entry))
-    return members
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop(0)
+        for child in children.get(pid, []):
+            found.append(child)
+            todo.append(child)
+    return found

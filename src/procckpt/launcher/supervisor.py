@@ -26,7 +26,7 @@ from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
 from .engines import Engine
-from .hang import HangWatch
+from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
 from .restart import Decision, RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult
@@ -44,9 +44,10 @@ NO_PROGRESS_CYCLES = 3
 class Supervisor:
     """Runs one ``procckpt run`` invocation to its end.
 
-    ``clock``, ``child_factory`` and ``wait_signals`` are seams for unit tests (a fake clock,
-    a fake child, and a wait that advances the fake clock instead of sleeping, returning the
-    signals that "arrived"); the end-to-end tests run real processes with real signals.
+    ``clock``, ``child_factory``, ``wait_signals`` and ``stack_dumper`` are seams for unit
+    tests (a fake clock, a fake child, a wait that advances the fake clock instead of sleeping,
+    returning the signals that "arrived", and a record of whose stacks were asked for); the
+    end-to-end tests run real processes with real signals.
     """
 
     def __init__(self, config: RunConfig, store: CheckpointStore, engine: Engine,
@@ -54,7 +55,8 @@ class Supervisor:
                  extra_env: dict[str, str] | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  child_factory: Callable[..., Child] = Child,
-                 wait_signals: Callable[[float], list[int]] | None = None) -> None:
+                 wait_signals: Callable[[float], list[int]] | None = None,
+                 stack_dumper: Callable[[int], None] = dump_stacks) -> None:
         self.config = config
         self.store = store
         self.engine = engine
@@ -64,6 +66,7 @@ class Supervisor:
         self._clock = clock
         self._child_factory = child_factory
         self._wait = wait_signals
+        self._dump_stacks = stack_dumper
         self._actions = signal_actions(config.checkpoint_signal)
         #: As PID 1 (a container's entrypoint) orphans are ours to reap; see pid1.py.
         self._reap_orphans = pid1.is_init()
@@ -260,7 +263,7 @@ class Supervisor:
                            self.hangs, self.store, self._actions, self._clock,
                            self._wait,  # type: ignore[arg-type]
                            term_timeout=self.config.term_timeout,
-                           reap_orphans=self._reap_orphans)
+                           reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
         self._carried_signals = watch.carried

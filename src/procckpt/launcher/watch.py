@@ -13,14 +13,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..durations import format_duration
-from ..protocol import control as ctl
 from ..protocol.events import append_event
 from ..store import CheckpointStore
 from . import pid1
 from .child import Child
 from .deadline import Deadline
 from .engines import Confirmation, Engine, RequestUndelivered
-from .hang import HangWatch, py_spy_dump
+from .hang import HangWatch
 from .plan import CheckpointPlan
 from .restart import StopCause
 from .results import CycleOutcome
@@ -65,6 +64,7 @@ class CycleWatch:
     wait: Callable[[float], list[int]]
     term_timeout: float = 10.0
     reap_orphans: bool = False
+    dump_stacks: Callable[[int], None] = lambda pid: None
     outcome: CycleOutcome = field(default_factory=lambda: CycleOutcome(exit_code=-1))
     stop: _Stop | None = None
     sigints: int = 0
@@ -73,6 +73,7 @@ class CycleWatch:
 
     def __post_init__(self) -> None:
         self.interval_from = self.started  # the last periodic checkpoint, or the start
+        self.interval_seq: int | None = None  # the last periodic request, until answered
         period = self.plan.period.seconds
         self.next_interval = self.started + period if period is not None else None
 
@@ -137,9 +138,13 @@ class CycleWatch:
             self.interval_from = now
             period = self.plan.period.seconds
             self.next_interval = now + period if period is not None else None
-            # Not before the training can answer: a plain command would be asked in vain.
-            if self.stop is None and self._connected():
-                self._trigger("checkpoint", "interval")
+            # Not before the training can answer (a plain command would be asked in vain), and
+            # not again before it answered the last one (a stuck or slow one).
+            if self.interval_seq is not None and \
+                    self.engine.confirmation(self.interval_seq) is not None:
+                self.interval_seq = None
+            if self.stop is None and self.interval_seq is None and self._connected():
+                self.interval_seq = self._trigger("checkpoint", "interval")
 
     def _learn(self) -> None:
         """Follow the journal: a measured checkpoint may change the period and the lead."""
@@ -167,8 +172,7 @@ class CycleWatch:
                      "before its first step" if step is None else f"last step {step}")
         append_event(self.store.events_path, "hang", step=step, seconds=round(quiet, 3),
                      timeout=self.hangs.timeout, cycle=self.cycle)
-        self.child.signal(ctl.STACK_DUMP_SIGNAL)
-        py_spy_dump(self.child.pid)
+        self.dump_stacks(self.child.pid)
         self.carried += self.wait(STACK_DUMP_WAIT)
         self.outcome.hung = True
         return self._stop_child()
