@@ -196,6 +196,7 @@ def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(sm
     assert f"error: no space left in {ckpt}: need " in stderr, stderr[-3000:]
     assert "could not write the checkpoint request" in stderr  # the launcher carried on
     assert "is not restarted" in stderr, stderr[-3000:]
+    assert "verified intact" in stderr, stderr[-3000:]  # the launcher checked the newest one
     assert len([e for e in events(ckpt) if e["event"] == "cycle"]) == 1
     (small_tmpfs / "filler").unlink()
     status = run([*procckpt_argv(), "status", str(ckpt)], cwd=small_tmpfs.parent)

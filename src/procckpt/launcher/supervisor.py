@@ -131,8 +131,9 @@ class Supervisor:
                 return self._exit(EX_IOERR, ExitReason.STORAGE_FAILED,
                                   f"the training could not read or write its checkpoints in "
                                   f"{self.store.root} (its error is above); that would fail "
-                                  "again, so it is not restarted: fix the storage, then run the "
-                                  "same command again to resume", error=True)
+                                  f"again, so it is not restarted; {self._newest_intact()}: fix "
+                                  "the storage, then run the same command again to resume",
+                                  error=True)
             if outcome.finished:
                 # A run that marked itself complete and was then stopped by us (the deadline
                 # came while it was exiting: torchrun and its workers take seconds) finished.
@@ -210,6 +211,20 @@ class Supervisor:
         return self._exit(code, ExitReason.FAILED,
                           f"the command {ended}{hint}; running the same command again "
                           f"{self._resumes_from(verb='resumes')}", error=True)
+
+    def _newest_intact(self) -> str:
+        """Whether the newest checkpoint still verifies (after a storage failure), in words."""
+        try:
+            infos = self.store.checkpoints()
+            if not infos:
+                return "there is no checkpoint yet"
+            problem = self.store.verify(infos[0].path)
+        except Exception as e:  # the storage is failing: say so, do not fail the exit
+            return f"the newest checkpoint could not be checked ({e})"
+        if problem is not None:
+            return f"the newest checkpoint, {infos[0].name}, is damaged ({problem})"
+        step = f" (step {infos[0].step})" if infos[0].step is not None else ""
+        return f"the newest checkpoint, {infos[0].name}{step}, verified intact"
 
     def _resumes_from(self, verb: str = "resumes") -> str:
         """Where the next start of the command begins, in words: 'resumes from ckpt-N
