@@ -81,8 +81,9 @@ def test_costs_follow_the_journal_as_it_grows(tmp_path: Path):
     append_event(journal, "trigger", action="checkpoint")
     assert costs.update()
     assert costs.pause == pytest.approx((0.1 + 3.0) / 2)
-    append_event(journal, "confirmed", checkpoint="ckpt-00000003", seconds=9.5)
-    append_event(journal, "confirmed", checkpoint=None, seconds=99.0)  # a failed one: no cost
+    append_event(journal, "checkpoint", checkpoint="ckpt-00000003", seconds=9.5, stall=0.2)
+    # The launcher's request-to-confirmation time may include the command's start-up: not a cost.
+    append_event(journal, "confirmed", checkpoint="ckpt-00000004", seconds=99.0)
     assert costs.update() and costs.longest_durable == (9.5, "ckpt-00000003")
     assert not costs.update()
 

@@ -268,7 +268,7 @@ def test_a_command_that_keeps_hanging_uses_up_the_restart_budget(tmp_path: Path)
 def test_a_grace_shorter_than_a_measured_checkpoint_is_widened_and_said(tmp_path: Path,
                                                                          caplog):
     store = CheckpointStore(tmp_path / "ckpt").open()
-    append_event(store.events_path, "confirmed", checkpoint="ckpt-00000001", seconds=30.0)
+    append_event(store.events_path, "checkpoint", checkpoint="ckpt-00000001", seconds=30.0)
     world, result, _ = supervise(tmp_path, [Cycle(step=10), Cycle(exits_at=5, completes=True)],
                                  interval=None, grace=10.0)
     stops = [t for t, action, _ in world.requests if action == "stop"]

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import procckpt
 
@@ -23,16 +24,48 @@ import procckpt
 class NoisyBlobs(Dataset):
     """Two Gaussian blobs; each sample gets fresh noise when it is read (a random transform)."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, cost: float = 0.0) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 8, generator=g)
         self.y = (self.x[:, 0] > 0).long()
+        self.cost = cost  # seconds of work (decoding, augmenting) per sample
 
     def __len__(self) -> int:
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cost:
+            time.sleep(self.cost)
         return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+
+
+class OwnStatefulLoader:
+    """A stateful loader of the script's own: a shuffled order per epoch from a seed and the
+    epoch number, resumable from (epoch, position) through state_dict()/load_state_dict()."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int) -> None:
+        self.dataset, self.batch_size, self.seed = dataset, batch_size, seed
+        self.epoch, self.position, self._restored = 0, 0, False
+
+    def __iter__(self):
+        if not self._restored:
+            self.position = 0
+        self._restored = False
+        order = torch.randperm(len(self.dataset),  # type: ignore[arg-type]
+                               generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        while self.position * self.batch_size < len(order):
+            chosen = order[self.position * self.batch_size:(self.position + 1) * self.batch_size]
+            self.position += 1
+            xs, ys = zip(*(self.dataset[int(i)] for i in chosen))
+            yield torch.stack(xs), torch.stack(ys)
+        self.epoch += 1
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._restored = state["epoch"], state["position"], True
 
 
 def main() -> None:
@@ -49,13 +82,26 @@ def main() -> None:
     parser.add_argument("--break-at-step", type=int, default=None,
                         help="leave the epochs loop with break after this step")
     parser.add_argument("--first-start-marker", default="first-start.done")
+    parser.add_argument("--loader", choices=("torch", "torchdata", "own"), default="torch",
+                        help="torch's DataLoader, torchdata's StatefulDataLoader, or a stateful "
+                             "loader of the script's own")
+    parser.add_argument("--sample-cost", type=float, default=0.0,
+                        help="seconds of work per sample read")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(7) if args.generator else None
-    loader = DataLoader(NoisyBlobs(args.n), batch_size=8, shuffle=True, generator=generator,
-                        num_workers=args.workers, persistent_workers=args.persistent_workers)
+    data = NoisyBlobs(args.n, args.sample_cost)
+    if args.loader == "own":
+        loader = OwnStatefulLoader(data, batch_size=8, seed=7)
+    else:
+        if args.loader == "torchdata":
+            from torchdata.stateful_dataloader import StatefulDataLoader as DataLoader
+        else:
+            from torch.utils.data import DataLoader
+        loader = DataLoader(data, batch_size=8, shuffle=True, generator=generator,
+                            num_workers=args.workers, persistent_workers=args.persistent_workers)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)

@@ -3,10 +3,11 @@
 Two numbers matter to the launcher: how long a checkpoint *pauses training* (the copy into host
 memory for a background checkpoint, the whole write for a synchronous one or a DMTCP image),
 which sets how often it is worth checkpointing (interval.py); and how long a checkpoint takes
-from the request to *durable* (the launcher's own "confirmed" measurement, which includes
-reaching the next safe point), which sets how early the deadline's checkpoint must be asked
-for (grace.py). Earlier cycles and jobs in the same directory count too: their lines are in
-the same journal.
+to become *durable* once the training acts on it, which sets how early the deadline's
+checkpoint must be asked for (grace.py, which adds a step for reaching the safe point). Both
+come from the training's own ``checkpoint`` lines: the launcher's request-to-confirmation time
+would also count a start-up the request arrived during. Earlier cycles and jobs in the same
+directory count too: their lines are in the same journal.
 """
 
 from __future__ import annotations
@@ -49,11 +50,6 @@ class CheckpointCosts:
                 durable = _seconds(event, "seconds")
                 if durable is not None:
                     self._durable.append((durable, str(event.get("checkpoint", "?"))))
-                    changed = True
-            elif kind == "confirmed" and event.get("checkpoint"):
-                durable = _seconds(event, "seconds")
-                if durable is not None:
-                    self._durable.append((durable, str(event["checkpoint"])))
                     changed = True
         return changed
 

@@ -29,7 +29,8 @@ from .io.background import BackgroundSaver, async_wanted
 from .io.mapped import private_copy
 from .context import DEFAULT_DIR, LaunchContext, default_dir
 from .payload import (PAYLOAD, Stateful, build_payload, checkpoint_meta, collect_statefuls,
-                      load_statefuls, read_payload)
+                      load_statefuls)
+from .member import CheckpointerAsMember
 from .progress import Progress
 from .resume import announce_resume, load_newest_verified, single_process_view
 from .saving import Saves
@@ -109,8 +110,10 @@ class Checkpointer:
             self.restart = context.restart
             self.rank = context.rank
             self.is_writer = self.rank == 0
+            #: The events journal, for the rank that writes it (rank 0).
+            self._journal = self.store.events_path if self.is_writer else None
             self._dist = dist_.coordinator_for(sync_every, allow_reshard)
-            self._member = _GroupMember(self)  # how the coordinator sees this rank
+            self._member = CheckpointerAsMember(self)  # how the coordinator sees this rank
             self.allow_reshard = allow_reshard
             self.extras: dict[str, Any] = {}
             self._progress = Progress()
@@ -177,6 +180,7 @@ class Checkpointer:
         saved and the run is marked complete.
         """
         progress = self._progress
+        self._progress.check_streams(self._journal)
         if progress.epoch >= num_epochs:
             if self.resumed_from is not None:
                 logger.info("training already finished (epoch %d of %d); nothing to do",
@@ -204,8 +208,9 @@ class Checkpointer:
         After each batch (when the loop body asks for the next one) is a safe point.
         """
         progress = self._progress
+        self._progress.check_streams(self._journal)
         try:
-            iterator = progress.open_loader(loader)
+            iterator = progress.open_loader(loader, self._journal)
         except ProcckptError as e:
             self._exiting = True
             raise logged_exit(e, logger) from None
@@ -216,6 +221,38 @@ class Checkpointer:
             progress.batch_done()
             self._safe_point()
         progress.end_pass()
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield step numbers from the saved step (0 on a fresh start) up to ``total``: the
+        loop of an iteration-based script (``while iter_num < max_iters``), in one line.
+
+        A safe point follows each step. Alone, the numbers are steps and the end saves and
+        marks the run complete; inside ``epochs()`` they count the epoch's steps. What one step
+        carries to the next (a batch fetched ahead) belongs in :attr:`extras`.
+        """
+        progress = self._progress
+        self._progress.check_streams(self._journal)
+        numbers = progress.open_range(total)
+        alone = not progress.in_epochs
+        if alone and progress.step >= total:
+            if self.resumed_from is not None:
+                logger.info("training already finished (step %d of %d); nothing to do",
+                            progress.step, total)
+            self._finish()
+            return
+        for number in numbers:
+            self._in_batch = True
+            try:
+                yield number
+            except GeneratorExit:
+                if alone:
+                    self._left_loop_early()
+                raise
+            self._in_batch = False
+            progress.batch_done()
+            self._safe_point()
+        if alone:
+            self._finish()
 
     def finish(self) -> None:
         """End training here: save a final checkpoint and mark the run complete, so that a
@@ -319,9 +356,10 @@ class Checkpointer:
         info, mapped = loaded
         # What procckpt keeps of the payload gets memory of its own; the rest stays mapped.
         payload = private_copy({k: mapped.get(k) for k in ("progress", "extras", "rng",
-                                                            "epoch_rng")})
+                                                            "epoch_rng", "loader_state")})
         del mapped
-        self._progress.resume(payload["progress"], payload["rng"], payload["epoch_rng"])
+        self._progress.resume(payload["progress"], payload["rng"], payload["epoch_rng"],
+                              payload.get("loader_state"))
         self.best_metric = payload["progress"].get("best_metric")
         self.extras = dict(payload.get("extras") or {})
         self._saves.saved_at = self._progress.position
@@ -406,41 +444,3 @@ class Checkpointer:
         self._saves.mark_complete(self._progress.position, info)
         if self._triggers.request is not None or self._triggers.stop_reason is not None:
             self._triggers.answer(info, self.step, stopping=True)
-
-
-class _GroupMember:
-    """This rank's Checkpointer as the group coordinator sees it (``distributed.GroupMember``):
-    the one place where the coordinator's needs meet the Checkpointer's internals."""
-
-    payload_name = PAYLOAD
-
-    def __init__(self, checkpointer: Checkpointer) -> None:
-        self._ck = checkpointer
-        self.store = checkpointer.store
-
-    @property
-    def step(self) -> int:
-        return self._ck.step
-
-    @property
-    def statefuls(self) -> dict[str, Any]:
-        return self._ck._statefuls
-
-    def checkpoint_meta(self, reason: str) -> dict[str, Any]:
-        return self._ck._meta(reason)
-
-    def replicated_payload(self, exclude: set[str]) -> dict[str, Any]:
-        return self._ck._payload(exclude=exclude)
-
-    def rank_payload(self) -> dict[str, Any]:
-        return self._ck._progress.saved_state()
-
-    def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
-        ck = self._ck
-        ck._saves.taken(info, reason, ck._progress.position, ck.restart, seconds)
-
-    def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        return self._ck._load_latest()
-
-    def read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
-        return read_payload(info)

@@ -58,13 +58,15 @@ def build_payload(statefuls: Mapping[str, Stateful], progress: dict[str, Any],
     Raises:
         ProcckptError: ``extras`` holds a value a ``weights_only`` load could not read back.
     """
+    if "loader_state" in streams:
+        _checked(streams["loader_state"], "the data loader's state_dict()")
     return {
         "format": PAYLOAD_FORMAT,
         "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()
                       if not exclude or name not in exclude},
         "progress": progress,
         **streams,
-        "extras": _checked_extras(extras),
+        "extras": _checked(extras, "extras"),
     }
 
 
@@ -116,8 +118,8 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
     detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded])
 
 
-def _checked_extras(extras: dict[str, Any]) -> dict[str, Any]:
-    """Refuse extras that a weights_only load could not read back."""
+def _checked(value: dict[str, Any], what: str) -> dict[str, Any]:
+    """Refuse a value that a weights_only load could not read back (``what`` names it)."""
     def check(value: Any, where: str) -> None:
         if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
             return
@@ -128,16 +130,16 @@ def _checked_extras(extras: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, dict):
             for k, v in value.items():
                 if not isinstance(k, (str, int)):
-                    raise ProcckptError(f"extras{where}: key {k!r} must be a str or int")
+                    raise ProcckptError(f"{what}{where}: key {k!r} must be a str or int")
                 check(v, f"{where}[{k!r}]")
             return
         raise ProcckptError(
-            f"extras{where} is a {type(value).__name__}; checkpoints hold only tensors, "
+            f"{what}{where} is a {type(value).__name__}; checkpoints hold only tensors, "
             "numbers, strings, None, lists and dicts (so that they load with weights_only=True)"
         )
 
-    check(extras, "")
-    return extras
+    check(value, "")
+    return value
 
 
 def _job_id() -> str | None:

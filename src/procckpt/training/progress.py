@@ -1,12 +1,20 @@
 """Where a run is (epoch, batch, step) and the random streams that go with it, saved and resumed exactly.
 
 Every checkpoint holds two snapshots of the random streams: the state *now* and the state at
-the *start of the current epoch*. Resuming mid-epoch replays the epoch's start: the
-epoch-start state is restored, the data loader is iterated again (so the sampler shuffles, and
-worker processes are seeded, exactly as before) and the batches already trained on are drawn
-and dropped; then the "now" state is restored and training continues with the next batch.
-Dropping batches costs reading them once more, and buys exactness for samplers, worker seeds
-and random transforms without knowing anything about them.
+the *start of the current epoch*. Resuming mid-epoch restores the epoch-start state and starts
+the data loader again, so that the sampler shuffles (and worker processes are seeded) exactly
+as before; the batches already trained on are then passed over, and the "now" state is
+restored before the next batch. How they are passed over depends on the loader:
+
+- a loader with ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader``, a
+  stateful iterator of the script's own) is put back where it was: nothing is read again;
+- a map-style ``DataLoader`` without worker processes skips the sampler's indices of those
+  batches without loading them: the cost does not grow with the position. Exact: random
+  transforms in ``__getitem__`` draw from the main process's streams, restored after;
+- anything else (worker processes, whose random streams no checkpoint holds; an
+  ``IterableDataset``; a plain iterator) is *replayed*: the batches are produced again and
+  dropped, which costs reading them once more and is exact without knowing anything about
+  them. The log says how many batches were replayed and how long it took.
 
 A DataLoader built with its own ``generator=`` draws its order from that generator instead of
 torch's global one; its state is saved beside the global streams and restored with them.
@@ -15,20 +23,34 @@ torch's global one; its state is saved beside the global streams and restored wi
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ProcckptError, UsageError
+from ..protocol.events import append_event
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 
-__all__ = ["Progress", "loader_generators"]
+__all__ = ["Progress", "loader_generators", "STREAMS_MOVED"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: What a resume says when the script drew random numbers before its loop began.
+STREAMS_MOVED = (
+    "the script drew random numbers after procckpt.Checkpointer() resumed and before its loop "
+    "began; on a resume they come from the fresh seed, not from where the uninterrupted run "
+    "was. If they make something one step carries to the next (a batch fetched ahead, like "
+    "nanoGPT's get_batch), this run will differ from an uninterrupted one: fetch inside the "
+    "loop, or keep it in ckpt.extras (X, Y = ckpt.extras['batch'] if 'batch' in ckpt.extras "
+    "else get_batch(), and ckpt.extras['batch'] = (X, Y) after each fetch). Draws that are the "
+    "same on every start (making data) can move before the Checkpointer to silence this")
 
 
 class Progress:
@@ -53,8 +75,13 @@ class Progress:
         #: Saved states of the loader's generators, for the first batches() after a resume
         #: at an epoch boundary.
         self._boundary_generators: list[torch.Tensor] | None = None
-        #: Batches of the current epoch to replay before the first new one (after a resume).
+        #: Batches of the current epoch to pass over before the first new one (after a resume).
         self._pending_skip: int | None = None
+        #: The state of a stateful loader (``state_dict()``) at the checkpoint resumed from.
+        self._resume_loader_state: Any = None
+        self._stateful_loader: Any = None
+        #: ``steps()`` without ``epochs()``: an iteration-based loop, counted by step only.
+        self.in_steps = False
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -65,10 +92,13 @@ class Progress:
         """The random streams a checkpoint holds (every rank saves its own)."""
         rng = capture_rng()
         rng["loader_generators"] = generator_states(self._loader_generators)
-        return {"rng": rng, "epoch_rng": self._epoch_rng if self.batch else None}
+        state: dict[str, Any] = {"rng": rng, "epoch_rng": self._epoch_rng if self.batch else None}
+        if self._stateful_loader is not None:  # its own position, and its epoch count
+            state["loader_state"] = self._stateful_loader.state_dict()
+        return state
 
     def resume(self, progress: dict[str, Any], rng: dict[str, Any],
-               epoch_rng: dict[str, Any] | None) -> None:
+               epoch_rng: dict[str, Any] | None, loader_state: Any = None) -> None:
         """Continue from a checkpoint's position and streams (applied as the loops start)."""
         self.epoch, self.batch, self.step = (int(progress["epoch"]), int(progress["batch"]),
                                              int(progress["step"]))
@@ -76,6 +106,28 @@ class Progress:
         if self.batch:
             self._epoch_rng = epoch_rng
             self._pending_skip = self.batch
+        self._resume_loader_state = loader_state
+        self.streams_at_resume = global_streams()
+
+    def check_streams(self, journal: Path | None) -> None:
+        """On a resume, say (and journal) when the script drew random numbers before its
+        first loop began."""
+        if not self.streams_moved_since_resume():
+            return
+        logger.warning("%s", STREAMS_MOVED)
+        if journal is not None:
+            append_event(journal, "warning", step=self.step,
+                         message="random numbers drawn between the resume and the loop")
+
+    def streams_moved_since_resume(self) -> bool:
+        """Whether the script drew from the global random streams between the resume and the
+        first loop, where the checkpoint's streams are restored: those draws came from the
+        fresh seed, not from where the uninterrupted run was."""
+        before = getattr(self, "streams_at_resume", None)
+        if before is None:
+            return False
+        self.streams_at_resume = None
+        return global_streams() != before
 
     # -- the epochs() loop -----------------------------------------------------------------
     def start_epoch(self, first: bool) -> None:
@@ -99,8 +151,9 @@ class Progress:
             self.step += 1
 
     # -- the batches() loop ----------------------------------------------------------------
-    def open_loader(self, loader: Iterable[T]) -> Iterator[T]:
-        """An iterator over ``loader`` at the first batch not yet trained on.
+    def open_loader(self, loader: Iterable[T], journal: Path | None = None) -> Iterator[T]:
+        """An iterator over ``loader`` at the first batch not yet trained on; how the batches
+        before it were passed over, and what that cost, goes into ``journal``.
 
         Raises:
             UsageError: the loader keeps state between epochs that no checkpoint reaches.
@@ -131,14 +184,61 @@ class Progress:
             self._epoch_rng["loader_generators"] = generator_states(generators)
         self._loader_generators = generators
         self._epoch_used_batches = True
-        iterator = iter(loader)
+        stateful = (loader if callable(getattr(loader, "state_dict", None))
+                    and callable(getattr(loader, "load_state_dict", None)) else None)
+        self._stateful_loader = stateful
+        started = time.monotonic()
+        if stateful is not None and self._resume_loader_state is not None:
+            stateful.load_state_dict(self._resume_loader_state)
+            iterator = iter(loader)
+            how = "restored the loader's own state (nothing read again)"
+        else:
+            iterator = iter(loader)
+            how = "" if not skip else (
+                "skipped the sampler's indices" if _skip_indices(loader, iterator, skip)
+                else self._replay(iterator, skip))
+        self._resume_loader_state = None
         if skip:
-            self._replay(iterator, skip, generators)
+            assert self._resume_rng is not None
+            restore_rng(self._resume_rng)
+            restore_generators(generators, self._resume_rng.get("loader_generators", []))
+            self._resume_rng = None
+            seconds = time.monotonic() - started
+            if journal is not None:
+                append_event(journal, "resume-skip", epoch=self.epoch, batches=skip,
+                             seconds=round(seconds, 4), how=how)
+            logger.info("resumed at batch %d of epoch %d: %s (%.2fs)", skip, self.epoch, how,
+                        seconds)
         self.batch = skip
         return iterator
 
+    def open_range(self, total: int) -> range:
+        """The step numbers ``steps(total)`` yields: from the saved position, with the saved
+        streams in place. Inside ``epochs()`` they count batches of the epoch; alone, steps."""
+        self._epoch_used_batches = True
+        if not self.in_epochs:
+            self.in_steps = True
+            if self._resume_rng is not None:
+                restore_rng(self._resume_rng)  # the streams as they were after the saved step
+                self._resume_rng = None
+            return range(self.step, total)
+        skip = self._pending_skip or 0
+        self._pending_skip = None
+        if skip:  # no loader to pass over: the streams continue from the saved step
+            assert self._resume_rng is not None
+            restore_rng(self._resume_rng)
+            self._resume_rng = None
+        else:
+            if self._resume_rng is not None:
+                self._restore_at_boundary()
+            if self._epoch_rng is None:
+                self._epoch_rng = capture_rng()
+        self.batch = skip
+        return range(skip, total)
+
     def batch_done(self) -> None:
-        self.batch += 1
+        if not self.in_steps:  # an iteration-based loop counts steps only
+            self.batch += 1
         self.step += 1
 
     def end_pass(self) -> None:
@@ -156,9 +256,8 @@ class Progress:
             "before break", self.epoch, self.step)
 
     # -- internals -------------------------------------------------------------------------
-    def _replay(self, iterator: Iterator[Any], skip: int,
-                generators: list[torch.Generator]) -> None:
-        started = time.monotonic()
+    def _replay(self, iterator: Iterator[Any], skip: int) -> str:
+        """Produce the first ``skip`` batches again and drop them."""
         for done in range(skip):
             try:
                 next(iterator)
@@ -167,12 +266,9 @@ class Progress:
                     f"the data loader ran out after {done} batches, but the checkpoint "
                     f"was taken after batch {skip} of this epoch: did the data set or "
                     "batch size change? Use a new checkpoint dir to start over.") from None
-        assert self._resume_rng is not None
-        restore_rng(self._resume_rng)
-        restore_generators(generators, self._resume_rng.get("loader_generators", []))
-        self._resume_rng = None
-        logger.info("skipped the %d batches of epoch %d trained before the restart (%.1fs)",
-                    skip, self.epoch, time.monotonic() - started)
+        return (f"replayed the {skip} batches trained before the restart (a loader with worker "
+                "processes, an IterableDataset or a plain iterable is read again: its cost grows "
+                "with the position)")
 
     def _restore_at_boundary(self) -> None:
         """Resume at the start of an epoch: every random stream continues from the checkpoint;
@@ -181,6 +277,41 @@ class Progress:
         restore_rng(self._resume_rng)
         self._boundary_generators = list(self._resume_rng.get("loader_generators") or [])
         self._resume_rng = None
+
+
+def global_streams() -> tuple[Any, ...]:
+    """The global random streams' states, comparable with ``==`` (torch's as bytes)."""
+    np = None
+    try:
+        import numpy as np
+    except ImportError:
+        pass
+    numpy_state = None
+    if np is not None:
+        kind, keys, pos, has_gauss, cached = np.random.get_state()
+        numpy_state = (kind, keys.tobytes(), pos, has_gauss, cached)
+    return (bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state)
+
+
+def _skip_indices(loader: object, iterator: Iterator[Any], skip: int) -> bool:
+    """Pass over ``skip`` batches of a single-process map-style DataLoader by advancing its
+    sampler only (no ``__getitem__``); False where that cannot be done exactly."""
+    if not isinstance(loader, DataLoader) or loader.num_workers != 0 \
+            or isinstance(loader.dataset, IterableDataset):
+        return False
+    sampler_iter = getattr(iterator, "_sampler_iter", None)
+    if sampler_iter is None or not hasattr(iterator, "_num_yielded"):
+        return False  # another torch: replay instead
+    for done in range(skip):
+        try:
+            next(sampler_iter)
+        except StopIteration:
+            raise ProcckptError(
+                f"the data loader ran out after {done} batches, but the checkpoint was taken "
+                f"after batch {skip} of this epoch: did the data set or batch size change? Use "
+                "a new checkpoint dir to start over.") from None
+    iterator._num_yielded += skip  # type: ignore[attr-defined]
+    return True
 
 
 def loader_generators(loader: object) -> list[torch.Generator]:

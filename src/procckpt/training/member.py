@@ -1,0 +1,49 @@
+"""This rank's Checkpointer as the group coordinator sees it: the one place where the
+coordinator's needs (``distributed.GroupMember``) meet the Checkpointer's internals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..store import CheckpointInfo
+from .payload import PAYLOAD, read_payload
+
+__all__ = ["CheckpointerAsMember"]
+
+
+class CheckpointerAsMember:
+    """This rank's Checkpointer as the group coordinator sees it (``distributed.GroupMember``):
+    the one place where the coordinator's needs meet the Checkpointer's internals."""
+
+    payload_name = PAYLOAD
+
+    def __init__(self, checkpointer: Any) -> None:
+        self._ck = checkpointer
+        self.store = checkpointer.store
+
+    @property
+    def step(self) -> int:
+        return self._ck.step
+
+    @property
+    def statefuls(self) -> dict[str, Any]:
+        return self._ck._statefuls
+
+    def checkpoint_meta(self, reason: str) -> dict[str, Any]:
+        return self._ck._meta(reason)
+
+    def replicated_payload(self, exclude: set[str]) -> dict[str, Any]:
+        return self._ck._payload(exclude=exclude)
+
+    def rank_payload(self) -> dict[str, Any]:
+        return self._ck._progress.saved_state()
+
+    def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
+        ck = self._ck
+        ck._saves.taken(info, reason, ck._progress.position, ck.restart, seconds)
+
+    def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
+        return self._ck._load_latest()
+
+    def read_payload(self, info: CheckpointInfo) -> dict[str, Any]:
+        return read_payload(info)
