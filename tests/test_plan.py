@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,8 @@ from procckpt.launcher.interval import FIRST_AUTO_MAX, choose_period, young_daly
 from procckpt.protocol.control import ControlChannel, Heartbeat
 from procckpt.protocol.events import EventTail, append_event
 from procckpt.store import CheckpointStore
+
+from .conftest import mounted_tmpfs
 
 
 # -- the period --------------------------------------------------------------------------------
@@ -134,18 +135,8 @@ def test_auto_hang_timeout_is_ten_minutes_or_fifty_steps():
 # -- room for the checkpoints to keep (a real 4 MiB tmpfs) ------------------------------------
 @pytest.fixture
 def tiny_fs(tmp_path: Path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mount = tmp_path / "fs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "fs") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_dir_too_small_for_the_checkpoints_to_keep_is_said(tiny_fs: Path):

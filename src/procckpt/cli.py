@@ -151,8 +151,8 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
     `exec procckpt run ... -- COMMAND`: procckpt checkpoints before the time limit, requeues
     the job and resumes it, as many times as it takes. Every other sbatch option (-t, -p,
     --gres, --mem, -J, -o, ...) goes into the script untouched; the procckpt run options
-    --dir, --grace, --max-restarts, --checkpoint-signal, --interval, --keep, --engine,
-    --term-timeout, --config and --restart-on-failure are passed on. A COMMAND that is a job
+    --dir, --grace, --max-restarts, --checkpoint-signal, --interval, --mtbf, --hang-timeout,
+    --keep, --engine, --term-timeout, --config and --restart-on-failure are passed on. A COMMAND that is a job
     script with #SBATCH lines is wrapped: its #SBATCH lines are kept. Pyxis options
     (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
     container with srun; the job script requeues from outside.

@@ -69,6 +69,16 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     lines.append(f"launches: {starts}   restarts: {restarts}   "
                  f"checkpoints saved: {sum(1 for e in history if e.get('event') == 'checkpoint')}"
                  + (f"   hangs: {hangs}" if hangs else ""))
+    resume = next((e for e in reversed(history) if e.get("event") == "resume"), None)
+    if resume is not None and isinstance(resume.get("seconds"), (int, float)):
+        line = (f"last resume: {resume.get('checkpoint', '?')} (step {resume.get('step', '?')}),"
+                f" restored in {resume['seconds']:.2f}s")
+        after = history[history.index(resume) + 1:]
+        skip = next((e for e in after if e.get("event") == "resume-skip"), None)
+        if skip is not None:
+            line += (f"; {skip.get('batches')} batches passed over in "
+                     f"{skip.get('seconds', 0):.2f}s ({str(skip.get('how', '?')).split(' (')[0]})")
+        lines.append(line)
     period = next((e for e in reversed(history) if e.get("event") == "interval"), None)
     if period is not None:
         seconds = period.get("seconds")

@@ -19,7 +19,7 @@ import pytest
 
 from procckpt.protocol.events import read_events
 
-from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..conftest import PROGRAMS, PYTHON, mounted_tmpfs, procckpt_argv, run
 
 TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
 LOADER = [PYTHON, str(PROGRAMS / "loader_train.py")]
@@ -149,16 +149,8 @@ def test_manifest_names_outside_the_checkpoint_are_damage(workdir: Path, name: s
 # -- 5: a full disk --------------------------------------------------------------------------
 @pytest.fixture
 def small_tmpfs(workdir: Path):
-    mount = workdir / "tmpfs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(workdir / "tmpfs") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def fill(directory: Path) -> None:

@@ -12,21 +12,13 @@ import pytest
 from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, load_params, procckpt_argv, run
+from .test_loader_exactness import train  # the loader script alone, its dir and marker by name
 
-LOADER = PROGRAMS / "loader_train.py"
 PREFETCH = PROGRAMS / "prefetch_train.py"
 
 
 def events(directory: Path, kind: str) -> list[dict]:
     return [e for e in read_events(directory / "events.jsonl") if e.get("event") == kind]
-
-
-def alone(workdir: Path, name: str, *args: str) -> tuple[Path, object]:
-    out = workdir / f"{name}.pt"
-    result = run([PYTHON, str(LOADER), *args, "--out", str(out),
-                  "--first-start-marker", str(workdir / f"{name}.started")], cwd=workdir,
-                 env={"PROCCKPT_DIR": str(workdir / name)})
-    return out, result
 
 
 @pytest.mark.parametrize("loader, workers, how", [
@@ -43,12 +35,12 @@ def test_a_mid_epoch_resume_says_how_it_passed_over_the_trained_batches(
     # 2 ms of work per sample: replaying 200 batches of 8 costs at least 3.2 s.
     args = ["--loader", loader, "--workers", str(workers), "--n", "2000", "--epochs", "1",
             "--sample-cost", "0.002"]
-    expected, ref = alone(workdir, "ref", *args)
+    expected, ref = train(workdir, "ref", *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out, killed = alone(workdir, "run", *args, "--checkpoint-at-step", "200",
+    out, killed = train(workdir, "run", *args, "--checkpoint-at-step", "200",
                         "--kill-at-step", "202")
     assert killed.returncode == -9, killed.stderr[-3000:]
-    _, again = alone(workdir, "run", *args)
+    _, again = train(workdir, "run", *args)
     assert again.returncode == 0, again.stderr[-3000:]
     (skip,) = events(workdir / "run", "resume-skip")
     assert skip["batches"] == 200 and how in skip["how"], skip
@@ -62,11 +54,11 @@ def test_a_mid_epoch_resume_says_how_it_passed_over_the_trained_batches(
 
 def test_own_stateful_loader_resumes_at_an_epoch_boundary_in_its_own_epoch(workdir: Path):
     args = ["--loader", "own", "--epochs", "3"]
-    expected, ref = alone(workdir, "ref", *args)
+    expected, ref = train(workdir, "ref", *args)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    out, killed = alone(workdir, "run", *args, "--kill-at-step", "18")  # epoch 1 of 3
+    out, killed = train(workdir, "run", *args, "--kill-at-step", "18")  # epoch 1 of 3
     assert killed.returncode == -9
-    _, again = alone(workdir, "run", *args)
+    _, again = train(workdir, "run", *args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert_bit_identical(expected, out)
 

@@ -11,7 +11,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +45,21 @@ def append_event(path: Path, kind: str, **fields: Any) -> dict[str, Any]:
 def read_events(path: Path) -> Iterator[dict[str, Any]]:
     """Yield the journal's events in order, skipping a line a crash cut short."""
     try:
-        with open(path) as f:
-            for line in f:
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict):
-                    yield event
+        with open(path, "rb") as f:
+            yield from _parsed(f)
     except FileNotFoundError:
         return
+
+
+def _parsed(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
+    """The events among ``lines``; a line a crash cut short (or any other junk) is skipped."""
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            yield event
 
 
 class EventTail:
@@ -88,12 +93,4 @@ class EventTail:
             return []
         self._offset += len(data)
         *lines, self._partial = (self._partial + data).split(b"\n")
-        events = []
-        for line in lines:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(event, dict):
-                events.append(event)
-        return events
+        return list(_parsed(lines))
