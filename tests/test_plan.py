@@ -72,6 +72,19 @@ def test_slurms_kill_wait_shorter_than_a_checkpoint_is_said():
     assert lead.seconds == 120.0 and "KillWait=30s" in lead.warning
 
 
+def test_a_slurm_signal_lead_shorter_than_a_checkpoint_is_said_with_the_directive_to_use():
+    lead = deadline_lead(120.0, (60.0, "ckpt-00000004"), None, signal_lead=60.0)
+    assert lead.seconds == 120.0 and "--signal=B:USR1@92" in lead.warning
+
+
+def test_the_signal_lead_is_read_from_the_job_script():
+    from procckpt.schedulers.slurm import signal_lead
+
+    assert signal_lead("#!/bin/bash\n#SBATCH --signal=B:USR1@300\nexec x\n") == 300
+    assert signal_lead("#!/bin/bash\n#SBATCH --signal=USR1\n") == 60
+    assert signal_lead("#!/bin/bash\n#SBATCH -t 10\n") is None
+
+
 # -- costs from the journal ------------------------------------------------------------------
 def test_costs_follow_the_journal_as_it_grows(tmp_path: Path):
     journal = tmp_path / "events.jsonl"

@@ -31,7 +31,8 @@ class Lead:
 
 
 def deadline_lead(grace: float, durable: tuple[float, str] | None, step_seconds: float | None,
-                  limit: float | None = None, kill_wait: float | None = None) -> Lead:
+                  limit: float | None = None, kill_wait: float | None = None,
+                  signal_lead: float | None = None) -> Lead:
     """The lead for a cycle, from the grace, the longest recent ``durable`` time (and which
     checkpoint took it), the seconds per step, and the cycle's time ``limit``."""
     if durable is None:
@@ -43,8 +44,13 @@ def deadline_lead(grace: float, durable: tuple[float, str] | None, step_seconds:
         notes.append(f"a preemption leaves only KillWait={kill_wait:g}s between Slurm's SIGTERM "
                      f"and SIGKILL, less than the {took:.1f}s {name} took; lower that cost or "
                      "checkpoint more often (--interval)")
+    if signal_lead is not None and signal_lead < needed:
+        notes.append(f"the job's --signal comes {signal_lead:g}s before the end, less than the "
+                     f"{math.ceil(needed)}s a checkpoint needs here: submit with "
+                     f"--signal=B:USR1@{math.ceil(needed)} (procckpt sbatch --grace "
+                     f"{math.ceil(needed)}s)")
     if needed <= grace:
-        return Lead(grace, notes[0] if notes else None)
+        return Lead(grace, "; ".join(notes) if notes else None)
     lead = needed if limit is None else min(needed, max(grace, limit / 2))
     use = math.ceil(needed)
     notes.insert(0, f"checkpoint {name} took {took:.1f}s to become durable, so the deadline's "

@@ -44,7 +44,8 @@ class CheckpointPlan:
         durable = costs.longest_durable
         limit = getattr(self.deadline, "limit", None)
         self.lead = deadline_lead(self.config.grace_for(limit), durable, step_seconds, limit,
-                                  getattr(self.deadline, "kill_wait", None))
+                                  getattr(self.deadline, "kill_wait", None),
+                                  getattr(self.deadline, "signal_lead", None))
         if warn_cycle is not None and self.lead.warning:
             logger.warning("%s", self.lead.warning)
             append_event(self.journal, "grace-short", lead=round(self.lead.seconds, 3),

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...launcher.config import RunConfig
-from .checks import node_local_reason, sbatch_directives, startup_warnings
+from .checks import node_local_reason, sbatch_directives, signal_lead, startup_warnings
 from .deadline import SlurmDeadline
 from .env import ENV_CHAIN, ENV_DISABLE, ENV_END_TIME, SlurmEnv, slurm_env
 from .job import JobRecord, SlurmJob, parse_scontrol_record, parse_slurm_time, parse_time_limit
@@ -79,7 +79,9 @@ def slurm_deadline_and_policy(config: RunConfig, *, environ: Mapping[str, str] |
     job = SlurmJob(env, **job_seams)
     deadline = SlurmDeadline(job, config.time_limit)
     policy = SlurmRequeue(job, deadline, config)
-    warnings = startup_warnings(job, config)
+    script = job.batch_script()
+    deadline.signal_lead = signal_lead(script)
+    warnings = startup_warnings(job, config, script=script)
     for message in warnings:
         logger.warning("%s", message)
     position = f", chain task {env.chain_position[0]} of {env.chain_position[1]}" \

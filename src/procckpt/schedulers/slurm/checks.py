@@ -11,7 +11,7 @@ from ...launcher.config import RunConfig
 from .env import SlurmEnv
 from .job import SlurmJob
 
-__all__ = ["startup_warnings", "node_local_reason", "sbatch_directives"]
+__all__ = ["startup_warnings", "node_local_reason", "sbatch_directives", "signal_lead"]
 
 _NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")
 _LOCAL_FS_TYPES = ("tmpfs", "ramfs")
@@ -100,13 +100,25 @@ def _parent_cmdline(pid: int | None = None) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def signal_lead(script: str | None) -> float | None:
+    """Seconds before the end at which the job script's ``--signal=[B:]SIG[@TIME]`` asks
+    Slurm to signal (60 when no time is given); None without such a line."""
+    spec = _directive_value(sbatch_directives(script), "--signal") if script else None
+    if not spec:
+        return None
+    _, at, seconds = spec.partition("@")
+    if not at:
+        return 60.0
+    return float(seconds) if seconds.strip().isdigit() else None
+
+
 def startup_warnings(job: SlurmJob, config: RunConfig, *, parent_cmdline: list[str] | None = None,
-                     mounts_text: str | None = None) -> list[str]:
+                     mounts_text: str | None = None, script: str | None = None) -> list[str]:
     """Misconfigurations that would lose work, found at start, as one message each."""
     env = job.env
     warnings = []
     parent = _parent_cmdline() if parent_cmdline is None else parent_cmdline
-    script = job.batch_script()
+    script = job.batch_script() if script is None else script
     directives = sbatch_directives(script) if script else []
     signal_spec = _directive_value(directives, "--signal") or ""
     under_batch_shell = (len(parent) >= 2 and os.path.basename(parent[0]) in ("bash", "sh", "zsh",

@@ -39,6 +39,8 @@ class SlurmDeadline:
         self.end_wall: float | None = job.env.end_time
         self.slurm_limit: float | None = None
         self._next_read = float("-inf")
+        #: Seconds before the end at which the job script's ``--signal`` fires, if it has one.
+        self.signal_lead: float | None = None
         self._warned = False
         self.source = job.env.label + (f" and --time-limit {local_limit:g}s"
                                        if local_limit is not None else "")
