@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..durations import format_duration
@@ -77,7 +77,7 @@ class CycleWatch:
         period = self.plan.period.seconds
         self.next_interval = self.started + period if period is not None else None
 
-    def run(self, signals: list[int] = ()) -> CycleOutcome:  # type: ignore[assignment]
+    def run(self, signals: Iterable[int] = ()) -> CycleOutcome:
         """Watch until the command is gone; ``signals`` arrived before (a previous cycle's)."""
         for signum in signals:
             self._on_signal(signum, self.started)

@@ -246,7 +246,7 @@ class Checkpointer:
                 yield number
             except GeneratorExit:
                 if alone:
-                    self._left_loop_early()
+                    self._left_loop_early("steps")
                 raise
             self._in_batch = False
             progress.batch_done()
@@ -427,11 +427,11 @@ class Checkpointer:
         self.close()
         raise SystemExit(code)
 
-    def _left_loop_early(self) -> None:
+    def _left_loop_early(self, loop: str = "epochs") -> None:
         """The ``epochs()`` loop was closed before its end: a ``break``, an exception, or
         our own stop. Only the first needs words: nothing marks the run complete."""
         if not (self._finished or self._exiting):
-            self._progress.warn_left_early()
+            self._progress.warn_left_early(loop)
 
     def _finish(self) -> None:
         if self._finished:

@@ -247,13 +247,13 @@ class Progress:
             self.batch = 0
             self._epoch_rng = None
 
-    def warn_left_early(self) -> None:
-        """Say what leaving ``epochs()`` before its end (a ``break``) means for a rerun."""
+    def warn_left_early(self, loop: str = "epochs") -> None:
+        """Say what leaving ``epochs()`` (or ``steps()``) before its end means for a rerun."""
         logger.warning(
-            "the ckpt.epochs() loop was left before its end (epoch %d, step %d): no final "
+            "the ckpt.%s() loop was left before its end (epoch %d, step %d): no final "
             "checkpoint was saved and the run is not marked complete, so running the script "
             "again resumes from the last checkpoint; to end training early, call ckpt.finish() "
-            "before break", self.epoch, self.step)
+            "before break", loop, self.epoch, self.step)
 
     # -- internals -------------------------------------------------------------------------
     def _replay(self, iterator: Iterator[Any], skip: int) -> str:

@@ -1,0 +1,63 @@
+"""training/progress.py through the Checkpointer, in one process with a real checkpoint dir:
+``steps()`` resumes at the saved step with the saved random streams, alone and inside
+``epochs()``, and a resume says when the script drew random numbers before its loop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from procckpt import Checkpointer
+from procckpt.protocol.events import read_events
+
+
+def run_steps(d: Path, total: int, stop_after: int | None = None) -> tuple[list[int], list]:
+    """Steps done and the numbers drawn in each; with ``stop_after``, a checkpoint is taken
+    after that step (at its safe point) and the loop is left in the next one."""
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(d, model=model, async_save=False)
+    done, draws = [], []
+    for step in ckpt.steps(total):
+        if stop_after is not None and step == stop_after + 1:
+            ckpt.close()
+            break
+        done.append(step)
+        draws.append(torch.rand(1).item())
+        if step == stop_after:
+            ckpt.request_checkpoint()
+    return done, draws
+
+
+def test_steps_alone_resume_at_the_saved_step_with_the_saved_streams(tmp_path: Path, caplog):
+    torch.manual_seed(0)
+    _, uninterrupted = run_steps(tmp_path / "a", 8)
+    torch.manual_seed(0)
+    first, draws = run_steps(tmp_path / "b", 8, stop_after=4)
+    torch.manual_seed(0)  # a restarted process seeds again
+    second, more = run_steps(tmp_path / "b", 8)
+    assert first == [0, 1, 2, 3, 4] and second == [5, 6, 7]
+    assert draws + more == uninterrupted
+    assert "drew random numbers" not in caplog.text
+    assert any(e["event"] == "complete" for e in read_events(tmp_path / "b" / "events.jsonl"))
+
+
+def test_steps_inside_epochs_count_the_epochs_steps(tmp_path: Path):
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, model=model, async_save=False)
+    seen = [(epoch, step, ckpt.step) for epoch in ckpt.epochs(2) for step in ckpt.steps(3)]
+    assert seen == [(0, 0, 0), (0, 1, 1), (0, 2, 2), (1, 0, 3), (1, 1, 4), (1, 2, 5)]
+    assert ckpt.finished and ckpt.step == 6
+
+
+def test_a_draw_between_the_resume_and_the_loop_is_warned_about(tmp_path: Path, caplog):
+    run_steps(tmp_path, 8, stop_after=2)
+    caplog.set_level(logging.WARNING, logger="procckpt")
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(tmp_path, model=model, async_save=False)
+    torch.randint(10, (4,))  # nanoGPT's pre-loop get_batch()
+    for _ in ckpt.steps(8):
+        pass
+    assert "drew random numbers after procckpt.Checkpointer() resumed" in caplog.text
+    assert any(e["event"] == "warning" for e in read_events(tmp_path / "events.jsonl"))
