@@ -156,8 +156,9 @@ class FakeEngine:
 
 
 def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 100.0,
-              grace: float = 10.0, max_restarts: int = 20, interval: float | str | None = "auto",
-              hang_timeout: float | str | None = "auto",
+              grace: float | None = 10.0, max_restarts: int = 20,
+              interval: float | str | None = "auto",
+              hang_timeout: float | str | None = "auto", deadline: object = None,
               ) -> tuple[World, object, float]:
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
@@ -169,7 +170,8 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
         world.now += max(timeout, 0.001)
         return []
 
-    deadline = LocalDeadline(time_limit) if time_limit is not None else NoDeadline()
+    if deadline is None:
+        deadline = LocalDeadline(time_limit) if time_limit is not None else NoDeadline()
     supervisor = Supervisor(config, store, FakeEngine(world), deadline,
                             LocalRestart(max_restarts), clock=lambda: world.now,
                             child_factory=lambda argv, env: FakeChild(world, argv, env),
@@ -274,3 +276,22 @@ def test_a_grace_shorter_than_a_measured_checkpoint_is_widened_and_said(tmp_path
     stops = [t for t, action, _ in world.requests if action == "stop"]
     assert stops == [pytest.approx(100 - (1.5 * 30 + 0.1 + 2), abs=1.5)]
     assert "pass --grace 48s" in caplog.text
+
+
+class LearnedLimit:
+    """A scheduler's deadline: its limit is known only once it has been asked (Slurm's)."""
+
+    source = "a scheduler"
+    limit: float | None = None
+
+    def end(self, cycle_started: float, now: float) -> float | None:
+        self.limit = 100.0
+        return cycle_started + 100.0
+
+
+def test_the_default_grace_follows_a_limit_learned_from_the_scheduler(tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(step=10), Cycle(exits_at=5, completes=True)],
+                                 time_limit=None, grace=None, interval=None,
+                                 deadline=LearnedLimit())
+    stops = [t for t, action, _ in world.requests if action == "stop"]
+    assert stops == [pytest.approx(75, abs=1.5)]  # a quarter of 100 s, not the 60 s default

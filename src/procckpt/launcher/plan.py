@@ -29,7 +29,16 @@ class CheckpointPlan:
         self.journal = journal
         self.costs = CheckpointCosts(journal)
         self.period = Period(None, "not planned yet")
-        self.lead = Lead(config.grace_for(getattr(deadline, "limit", None)))
+        self._step_seconds: float | None = None
+
+    @property
+    def lead(self) -> Lead:
+        """The deadline's lead now: the deadline may learn its limit (a Slurm job's) late."""
+        limit = getattr(self.deadline, "limit", None)
+        return deadline_lead(self.config.grace_for(limit), self.costs.longest_durable,
+                             self._step_seconds, limit,
+                             getattr(self.deadline, "kill_wait", None),
+                             getattr(self.deadline, "signal_lead", None))
 
     def refresh(self, step_seconds: float | None, *, warn_cycle: int | None = None) -> bool:
         """Read the journal's new checkpoints and plan again; True if the period changed.
@@ -39,17 +48,16 @@ class CheckpointPlan:
             warn_cycle: at a cycle's start: say (and journal) a grace too short for the costs.
         """
         costs = self.costs
+        self._step_seconds = step_seconds
         if not costs.update() and warn_cycle is None and self.period.why != "not planned yet":
             return False
         durable = costs.longest_durable
-        limit = getattr(self.deadline, "limit", None)
-        self.lead = deadline_lead(self.config.grace_for(limit), durable, step_seconds, limit,
-                                  getattr(self.deadline, "kill_wait", None),
-                                  getattr(self.deadline, "signal_lead", None))
-        if warn_cycle is not None and self.lead.warning:
-            logger.warning("%s", self.lead.warning)
-            append_event(self.journal, "grace-short", lead=round(self.lead.seconds, 3),
-                         message=self.lead.warning, cycle=warn_cycle)
+        if warn_cycle is not None:
+            lead = self.lead
+            if lead.warning:
+                logger.warning("%s", lead.warning)
+                append_event(self.journal, "grace-short", lead=round(lead.seconds, 3),
+                             message=lead.warning, cycle=warn_cycle)
         period = choose_period(self.config.interval, self.config.mtbf, costs.pause,
                                durable[0] if durable else None)
         old, self.period = self.period, period

@@ -261,13 +261,13 @@ class Supervisor:
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         child = self._child_factory(argv, env)
         self.hangs.start_cycle()
-        self.plan.refresh(self.hangs.step_seconds, warn_cycle=self.cycles)
         started = self._clock()
         child.start()
         notify_started = getattr(self.engine, "child_started", None)
         if notify_started is not None:
             notify_started(child.pid)
-        end = self.deadline.end(started, started)
+        end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
+        self.plan.refresh(self.hangs.step_seconds, warn_cycle=self.cycles)
         logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
                     child.pid, self.deadline.source,
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"
