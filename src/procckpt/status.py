@@ -9,6 +9,7 @@ from .durations import format_duration
 from .errors import CheckpointReadError, StoreError
 from .protocol.events import read_events
 from .store import MARKER, CheckpointStore
+from .store.store import format_size
 
 __all__ = ["render_status"]
 
@@ -51,7 +52,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         age = format_duration(now - manifest["time"]) if "time" in manifest else "-"
         write = manifest.get("write_seconds")  # how long the engine took to write it
         rows.append((path.name, str(manifest.get("step", "-")), str(manifest.get("epoch", "-")),
-                     _size(size), "-" if write is None else f"{write:.1f}s", age,
+                     format_size(size), "-" if write is None else f"{write:.1f}s", age,
                      str(manifest.get("engine", "-")),
                      str(manifest.get("reason", "-")), valid))
     if len(rows) == 1:
@@ -117,11 +118,3 @@ def _holder(store: CheckpointStore) -> dict | None:
         return None
     finally:
         os.close(fd)
-
-
-def _size(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)

@@ -30,6 +30,7 @@ class CheckpointPlan:
         self.costs = CheckpointCosts(journal)
         self.period = Period(None, "not planned yet")
         self._step_seconds: float | None = None
+        self._planned = False
 
     @property
     def lead(self) -> Lead:
@@ -49,7 +50,7 @@ class CheckpointPlan:
         """
         costs = self.costs
         self._step_seconds = step_seconds
-        if not costs.update() and warn_cycle is None and self.period.why != "not planned yet":
+        if not costs.update() and warn_cycle is None and self._planned:
             return False
         durable = costs.longest_durable
         if warn_cycle is not None:
@@ -60,7 +61,7 @@ class CheckpointPlan:
                              message=lead.warning, cycle=warn_cycle)
         period = choose_period(self.config.interval, self.config.mtbf, costs.pause,
                                durable[0] if durable else None)
-        old, self.period = self.period, period
+        old, self.period, self._planned = self.period, period, True
         if period.seconds == old.seconds:
             return False
         # Said (and journalled for procckpt status) when it is new, has a new basis (the first

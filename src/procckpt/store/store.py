@@ -41,7 +41,7 @@ from .lock import DirLock
 from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo, manifest_problem
 from .pending import PendingCheckpoint
 
-__all__ = ["CheckpointStore", "MARKER", "COMPLETE"]
+__all__ = ["CheckpointStore", "MARKER", "COMPLETE", "format_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -341,9 +341,9 @@ class CheckpointStore:
         held = sum(info.nbytes for info in infos)  # pruning gives their room to new ones
         if free + held >= need:
             return None
-        return (f"only {_size(free)} free in {self.root}, and keeping {self.keep} checkpoints "
-                f"of {_size(infos[0].nbytes)} each needs up to {_size(need)} while the next is "
-                "written: make room or lower --keep")
+        return (f"only {format_size(free)} free in {self.root}, and keeping {self.keep} "
+                f"checkpoints of {format_size(infos[0].nbytes)} each needs up to "
+                f"{format_size(need)} while the next is written: make room or lower --keep")
 
     # -- completion -------------------------------------------------------------------------
     def completion(self) -> dict[str, Any] | None:
@@ -380,9 +380,10 @@ class CheckpointStore:
         return dest
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
+def format_size(n: float) -> str:
+    """A byte count as people read it: ``512 B``, ``18.6 KB``, ``1.5 GB`` (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} TB"
+    return str(n)

@@ -80,6 +80,8 @@ class Progress:
         #: The state of a stateful loader (``state_dict()``) at the checkpoint resumed from.
         self._resume_loader_state: Any = None
         self._stateful_loader: Any = None
+        #: The global random streams right after a resume, until the first loop checks them.
+        self.streams_at_resume: tuple[Any, ...] | None = None
         #: ``steps()`` without ``epochs()``: an iteration-based loop, counted by step only.
         self.in_steps = False
 
@@ -123,7 +125,7 @@ class Progress:
         """Whether the script drew from the global random streams between the resume and the
         first loop, where the checkpoint's streams are restored: those draws came from the
         fresh seed, not from where the uninterrupted run was."""
-        before = getattr(self, "streams_at_resume", None)
+        before = self.streams_at_resume
         if before is None:
             return False
         self.streams_at_resume = None
@@ -258,14 +260,7 @@ class Progress:
     # -- internals -------------------------------------------------------------------------
     def _replay(self, iterator: Iterator[Any], skip: int) -> str:
         """Produce the first ``skip`` batches again and drop them."""
-        for done in range(skip):
-            try:
-                next(iterator)
-            except StopIteration:
-                raise ProcckptError(
-                    f"the data loader ran out after {done} batches, but the checkpoint "
-                    f"was taken after batch {skip} of this epoch: did the data set or "
-                    "batch size change? Use a new checkpoint dir to start over.") from None
+        _advance(iterator, skip)
         return (f"replayed the {skip} batches trained before the restart (a loader with worker "
                 "processes, an IterableDataset or a plain iterable is read again: its cost grows "
                 "with the position)")
@@ -302,16 +297,25 @@ def _skip_indices(loader: object, iterator: Iterator[Any], skip: int) -> bool:
     sampler_iter = getattr(iterator, "_sampler_iter", None)
     if sampler_iter is None or not hasattr(iterator, "_num_yielded"):
         return False  # another torch: replay instead
+    _advance(sampler_iter, skip)
+    iterator._num_yielded += skip  # type: ignore[attr-defined]
+    return True
+
+
+def _advance(iterator: Iterator[Any], skip: int) -> None:
+    """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``.
+
+    Raises:
+        ProcckptError: it ran out first: the data is not what the checkpoint was taken on.
+    """
     for done in range(skip):
         try:
-            next(sampler_iter)
+            next(iterator)
         except StopIteration:
             raise ProcckptError(
                 f"the data loader ran out after {done} batches, but the checkpoint was taken "
                 f"after batch {skip} of this epoch: did the data set or batch size change? Use "
                 "a new checkpoint dir to start over.") from None
-    iterator._num_yielded += skip  # type: ignore[attr-defined]
-    return True
 
 
 def loader_generators(loader: object) -> list[torch.Generator]:
