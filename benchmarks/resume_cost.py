@@ -9,11 +9,12 @@ start to the first trained batch of:
     early      a resume at batch 10 of the epoch
     late       a resume at batch --late (5,000 by default) of the epoch
 
-Each is run --repeats times, interleaved; medians are printed with the ratios the target
-names: late / early (<= 1.10) and each / fresh (<= 1.2). A loader that procckpt must replay
-(worker processes) shows the cost growing with the position.
+The checkpoints to resume from are written once; each measurement resumes from a fresh
+copy. Each is run --repeats times, interleaved; medians are printed with the ratios the target
+names: late / early (<= 1.10) and each / fresh (<= 1.2). It also prints what the per-sample
+seeding of worker processes costs per sample.
 
-    python benchmarks/resume_cost.py [--late 5000] [--sample-cost 0.0005] [--repeats 3]
+    python benchmarks/resume_cost.py [--late 5000] [--sample-cost 0.0005] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -75,26 +77,56 @@ def child(args: argparse.Namespace) -> None:
             os._exit(0)
 
 
-def measure(loader: str, position: int | None, args: argparse.Namespace, work: Path) -> float:
-    """Seconds from process start to the first trained batch, resuming at ``position``."""
-    d = work / f"{loader}-{position}-{time.monotonic_ns()}"
-    base = [sys.executable, str(HERE), "--child", "--loader", loader, "--dir", str(d),
+def child_argv(loader: str, d: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, str(HERE), "--child", "--loader", loader, "--dir", str(d),
             "--late", str(args.late), "--sample-cost", str(args.sample_cost)]
+
+
+def child_env() -> dict[str, str]:
     env = {**os.environ, "PROCCKPT_LOG_LEVEL": "WARNING"}
     env.pop("PROCCKPT_TOKEN", None)
-    if position is not None:  # write the checkpoint to resume from (not timed)
-        subprocess.run([*base, "--save-at", str(position)], env={**env, "BENCH_T0": "0"},
-                       check=False, capture_output=True, timeout=3600)
-    out = subprocess.run(base, env={**env, "BENCH_T0": repr(time.time())}, check=True,
+    return env
+
+
+def set_up(loader: str, position: int, args: argparse.Namespace, work: Path) -> Path:
+    """A checkpoint dir holding a checkpoint at batch ``position`` (written once, not timed)."""
+    d = work / f"setup-{loader}-{position}"
+    done = subprocess.run([*child_argv(loader, d, args), "--save-at", str(position)],
+                          env={**child_env(), "BENCH_T0": "0"}, capture_output=True, text=True,
+                          timeout=3600)
+    if not any((d / "checkpoints").glob("ckpt-*")):  # it stops with 75, as a stop does
+        raise SystemExit(f"the set-up run wrote no checkpoint:\n{done.stderr[-2000:]}")
+    return d
+
+
+def measure(loader: str, setup: Path | None, args: argparse.Namespace,
+            work: Path) -> tuple[float, float | None]:
+    """Seconds from process start to the first trained batch, resuming from a copy of
+    ``setup`` (None: a fresh start); and the seconds the resume took to pass over the batches
+    already trained on (from the run's journal)."""
+    d = work / f"{loader}-{time.monotonic_ns()}"
+    if setup is not None:
+        shutil.copytree(setup, d)
+    out = subprocess.run(child_argv(loader, d, args),
+                         env={**child_env(), "BENCH_T0": repr(time.time())}, check=True,
                          capture_output=True, text=True, timeout=3600)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["first_batch"])
+    first = float(json.loads(out.stdout.strip().splitlines()[-1])["first_batch"])
+    skip = None
+    journal = d / "events.jsonl"
+    if setup is not None and journal.exists():
+        for line in journal.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "resume-skip":
+                skip = float(event["seconds"])
+    shutil.rmtree(d, ignore_errors=True)
+    return first, skip
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--late", type=int, default=5000)
     p.add_argument("--sample-cost", type=float, default=0.0005)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--loaders", default="plain,workers,torchdata")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--loader", default="plain", help=argparse.SUPPRESS)
@@ -113,24 +145,49 @@ def main() -> None:
             loaders.remove("torchdata")
     positions = {"fresh": None, "early": 10, "late": args.late}
     times: dict[tuple[str, str], list[float]] = {}
+    skips: dict[tuple[str, str], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="procckpt-resume-") as tmp:
+        work = Path(tmp)
+        setups = {(loader, name): set_up(loader, position, args, work)
+                  for loader in loaders for name, position in positions.items()
+                  if position is not None}
         for r in range(args.repeats):
             for loader in loaders:
-                for name, position in positions.items():
-                    t = measure(loader, position, args, Path(tmp))
+                for name in positions:
+                    t, skip = measure(loader, setups.get((loader, name)), args, work)
                     times.setdefault((loader, name), []).append(t)
+                    if skip is not None:
+                        skips.setdefault((loader, name), []).append(skip)
                     print(f"  repeat {r + 1}: {loader:9} {name:5} first batch after {t:.2f}s",
                           file=sys.stderr, flush=True)
     print(f"time to the first trained batch, median of {args.repeats} (sample cost "
           f"{args.sample_cost * 1e3:g} ms, batches of 10; late = batch {args.late}):")
     print(f"{'loader':10} {'fresh':>7} {'early':>7} {'late':>7} {'late/early':>11} "
-          f"{'early/fresh':>12} {'late/fresh':>11}")
+          f"{'early/fresh':>12} {'late/fresh':>11} {'skip early':>11} {'skip late':>10}")
     for loader in loaders:
         m = {name: statistics.median(times[(loader, name)]) for name in positions}
+        k = {name: (f"{statistics.median(skips[(loader, name)]) * 1e3:.1f} ms"
+                    if skips.get((loader, name)) else "-") for name in ("early", "late")}
         print(f"{loader:10} {m['fresh']:7.2f} {m['early']:7.2f} {m['late']:7.2f} "
               f"{m['late'] / m['early']:11.2f} {m['early'] / m['fresh']:12.2f} "
-              f"{m['late'] / m['fresh']:11.2f}")
+              f"{m['late'] / m['fresh']:11.2f} {k['early']:>11} {k['late']:>10}")
+    print("skip: the resume's own time to pass over the trained batches (the journal's "
+          "resume-skip), medians")
     print("targets: late/early <= 1.10, early/fresh and late/fresh <= 1.2")
+    print(f"re-seeding before each sample in a worker (what makes the skip exact there): "
+          f"{seeding_cost() * 1e6:.1f} us per sample (median of 5 x 2,000)")
+
+
+def seeding_cost() -> float:
+    """Seconds per sample that procckpt's per-sample seeding adds in a worker process."""
+    import timeit
+
+    import numpy  # noqa: F401 - seeded too when a script has imported it
+
+    from procckpt.training.loaders import sample_seed, seed_streams
+
+    runs = timeit.repeat(lambda: seed_streams(sample_seed(12345, 678)), number=2000, repeat=5)
+    return statistics.median(runs) / 2000
 
 
 if __name__ == "__main__":

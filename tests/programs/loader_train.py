@@ -24,11 +24,13 @@ import procckpt
 class NoisyBlobs(Dataset):
     """Two Gaussian blobs; each sample gets fresh noise when it is read (a random transform)."""
 
-    def __init__(self, n: int, cost: float = 0.0) -> None:
+    def __init__(self, n: int, cost: float = 0.0, own_rng: bool = False) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 8, generator=g)
         self.y = (self.x[:, 0] > 0).long()
         self.cost = cost  # seconds of work (decoding, augmenting) per sample
+        # The noise from a generator the data set owns instead of torch's global stream.
+        self.rng = torch.Generator().manual_seed(2) if own_rng else None
 
     def __len__(self) -> int:
         return len(self.x)
@@ -36,7 +38,7 @@ class NoisyBlobs(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cost:
             time.sleep(self.cost)
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]
+        return self.x[i] + 0.1 * torch.randn(8, generator=self.rng), self.y[i]
 
 
 class OwnStatefulLoader:
@@ -87,12 +89,14 @@ def main() -> None:
                              "loader of the script's own")
     parser.add_argument("--sample-cost", type=float, default=0.0,
                         help="seconds of work per sample read")
+    parser.add_argument("--own-rng", action="store_true",
+                        help="the data set draws its noise from a generator of its own")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(7) if args.generator else None
-    data = NoisyBlobs(args.n, args.sample_cost)
+    data = NoisyBlobs(args.n, args.sample_cost, args.own_rng)
     if args.loader == "own":
         loader = OwnStatefulLoader(data, batch_size=8, seed=7)
     else:

@@ -8,13 +8,11 @@ restored before the next batch. How they are passed over depends on the loader:
 
 - a loader with ``state_dict()``/``load_state_dict()`` (torchdata's ``StatefulDataLoader``, a
   stateful iterator of the script's own) is put back where it was: nothing is read again;
-- a map-style ``DataLoader`` without worker processes skips the sampler's indices of those
-  batches without loading them: the cost does not grow with the position. Exact: random
-  transforms in ``__getitem__`` draw from the main process's streams, restored after;
-- anything else (worker processes, whose random streams no checkpoint holds; an
-  ``IterableDataset``; a plain iterator) is *replayed*: the batches are produced again and
-  dropped, which costs reading them once more and is exact without knowing anything about
-  them. The log says how many batches were replayed and how long it took.
+- a map-style ``DataLoader`` (with or without worker processes) advances its sampler alone,
+  without loading those batches (see :mod:`.loaders` for why that is exact);
+- anything else (an ``IterableDataset``, a plain iterator, a data set whose samples are not a
+  function of their index and the random streams) is *replayed*: the batches are produced
+  again and dropped. The log and the journal say how many and what it cost.
 
 A DataLoader built with its own ``generator=`` draws its order from that generator instead of
 torch's global one; its state is saved beside the global streams and restored with them.
@@ -30,13 +28,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from torch.utils.data import DataLoader, IterableDataset
 
-from ..errors import ProcckptError, UsageError
 from ..protocol.events import append_event
+from .loaders import check_loader, loader_generators, open_at
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 
-__all__ = ["Progress", "loader_generators", "STREAMS_MOVED"]
+__all__ = ["Progress", "STREAMS_MOVED"]
 
 logger = logging.getLogger(__name__)
 
@@ -161,12 +158,7 @@ class Progress:
             UsageError: the loader keeps state between epochs that no checkpoint reaches.
             ProcckptError: the loader has fewer batches than the checkpoint's position.
         """
-        if getattr(loader, "persistent_workers", False) and getattr(loader, "num_workers", 0):
-            raise UsageError(
-                "DataLoader(persistent_workers=True) keeps its workers and their random state "
-                "from one epoch to the next, where no checkpoint can reach them, so a resumed run "
-                "would differ from an uninterrupted one: pass persistent_workers=False (workers "
-                "then start each epoch from the checkpointed random state)")
+        check_loader(loader)
         generators = loader_generators(loader)
         skip = self._pending_skip or 0
         self._pending_skip = None
@@ -195,10 +187,7 @@ class Progress:
             iterator = iter(loader)
             how = "restored the loader's own state (nothing read again)"
         else:
-            iterator = iter(loader)
-            how = "" if not skip else (
-                "skipped the sampler's indices" if _skip_indices(loader, iterator, skip)
-                else self._replay(iterator, skip))
+            iterator, how = open_at(loader, skip)
         self._resume_loader_state = None
         if skip:
             assert self._resume_rng is not None
@@ -258,13 +247,6 @@ class Progress:
             "before break", loop, self.epoch, self.step)
 
     # -- internals -------------------------------------------------------------------------
-    def _replay(self, iterator: Iterator[Any], skip: int) -> str:
-        """Produce the first ``skip`` batches again and drop them."""
-        _advance(iterator, skip)
-        return (f"replayed the {skip} batches trained before the restart (a loader with worker "
-                "processes, an IterableDataset or a plain iterable is read again: its cost grows "
-                "with the position)")
-
     def _restore_at_boundary(self) -> None:
         """Resume at the start of an epoch: every random stream continues from the checkpoint;
         the loader's generators are restored once :meth:`open_loader` sees the loader."""
@@ -286,44 +268,3 @@ def global_streams() -> tuple[Any, ...]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         numpy_state = (kind, keys.tobytes(), pos, has_gauss, cached)
     return (bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state)
-
-
-def _skip_indices(loader: object, iterator: Iterator[Any], skip: int) -> bool:
-    """Pass over ``skip`` batches of a single-process map-style DataLoader by advancing its
-    sampler only (no ``__getitem__``); False where that cannot be done exactly."""
-    if not isinstance(loader, DataLoader) or loader.num_workers != 0 \
-            or isinstance(loader.dataset, IterableDataset):
-        return False
-    sampler_iter = getattr(iterator, "_sampler_iter", None)
-    if sampler_iter is None or not hasattr(iterator, "_num_yielded"):
-        return False  # another torch: replay instead
-    _advance(sampler_iter, skip)
-    iterator._num_yielded += skip  # type: ignore[attr-defined]
-    return True
-
-
-def _advance(iterator: Iterator[Any], skip: int) -> None:
-    """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``.
-
-    Raises:
-        ProcckptError: it ran out first: the data is not what the checkpoint was taken on.
-    """
-    for done in range(skip):
-        try:
-            next(iterator)
-        except StopIteration:
-            raise ProcckptError(
-                f"the data loader ran out after {done} batches, but the checkpoint was taken "
-                f"after batch {skip} of this epoch: did the data set or batch size change? Use "
-                "a new checkpoint dir to start over.") from None
-
-
-def loader_generators(loader: object) -> list[torch.Generator]:
-    """Generators a DataLoader draws its order from besides torch's global one."""
-    found: list[torch.Generator] = []
-    for owner in (loader, getattr(loader, "sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        gen = getattr(owner, "generator", None)
-        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
-            found.append(gen)
-    return found

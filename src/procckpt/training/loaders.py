@@ -1,0 +1,320 @@
+"""Opening a data loader at a batch of its epoch without loading the batches before it.
+
+A map-style ``DataLoader`` is opened past a resume's position by advancing its sampler alone:
+no ``__getitem__`` runs for the batches already trained on, so the cost does not grow with the
+position. That is exact when a sample is a function of its index and the random streams it
+draws from:
+
+- without worker processes, ``__getitem__`` draws from the main process's streams, which the
+  checkpoint restores right after the skip;
+- with worker processes, a worker's streams depend on every sample it loaded before (torch
+  seeds each worker once per epoch), so a skip alone would change them. procckpt therefore
+  re-seeds torch's, Python's and (when imported) NumPy's global streams before every sample,
+  from the epoch's worker seed and the sample's index, in uninterrupted and resumed runs alike:
+  a sample's random transform no longer depends on which worker loaded it or what came before.
+
+Before skipping, one sample is loaded twice from the same random state; if the two differ (the
+data set draws from a generator of its own, reads the clock...) the batches are replayed
+instead: produced again and dropped, as for an ``IterableDataset`` or a plain iterable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import operator
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+
+from ..errors import ProcckptError, UsageError
+
+__all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples"]
+
+logger = logging.getLogger(__name__)
+
+SKIPPED = "skipped the sampler's indices"
+#: Seconds a test load of one sample may take before the resume replays instead.
+PROBE_TIMEOUT = 120.0
+
+
+def check_loader(loader: object) -> None:
+    """Refuse loader settings under which no resume can be exact.
+
+    Raises:
+        UsageError: with the setting to change.
+    """
+    if not isinstance(loader, DataLoader) or not loader.num_workers:
+        return
+    if loader.persistent_workers:
+        raise UsageError(
+            "DataLoader(persistent_workers=True) keeps its workers and their random state "
+            "from one epoch to the next, where no checkpoint can reach them, so a resumed run "
+            "would differ from an uninterrupted one: pass persistent_workers=False (workers "
+            "then start each epoch from the checkpointed random state)")
+    if getattr(loader, "in_order", True) is False:
+        raise UsageError(
+            "DataLoader(in_order=False) hands out batches in the order the workers finish "
+            "them, which no checkpoint can repeat, so a resumed run would differ from an "
+            "uninterrupted one: leave in_order at its default (True)")
+
+
+def open_at(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], str]:
+    """An iterator over ``loader`` whose next batch is batch ``skip`` of the epoch, and how
+    the ones before it were passed over ("" when ``skip`` is 0).
+
+    The random streams in place when this is called are those the epoch started with; the
+    sampler draws its order from them here, as it did in the uninterrupted run.
+    """
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        iterator = iter(loader)
+        return iterator, _replay(iterator, skip, "an IterableDataset or a plain iterable")
+    swaps: dict[str, Any] = {}
+    if loader.num_workers:
+        swaps["dataset"] = SeededSamples(loader.dataset)
+    skipping: _SkipFirst | None = None
+    reason = ""
+    if skip:
+        reason = _not_repeatable(loader.dataset)
+        if not reason:
+            field = "batch_sampler" if loader.batch_sampler is not None else "sampler"
+            skipping = swaps[field] = _SkipFirst(getattr(loader, field), skip)
+    with _swapped(loader, swaps):
+        iterator = iter(loader)
+    if reason and not loader.num_workers:
+        # Worker processes get the data set afresh each epoch; the main process keeps it, and
+        # the generator it owns has moved on from where a restart re-creates it.
+        logger.warning(
+            "the data set's own random state is in no checkpoint (%s), so a resume after its "
+            "first epoch may differ from an uninterrupted run: keep its generator's state in "
+            "ckpt.extras, or draw from torch's global stream", reason.split(":")[0])
+    if skipping is None:
+        return iterator, _replay(iterator, skip, reason)
+    assert skipping.current is not None
+    skipping.current.skip_now()  # before the caller restores the streams of the saved step
+    return iterator, SKIPPED
+
+
+class SeededSamples(Dataset):
+    """A map-style data set whose samples, loaded in a worker process, draw their randomness
+    from streams seeded by the epoch's worker seed and the sample's index alone."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: Any) -> Any:
+        info = get_worker_info()
+        if info is not None:
+            # torch gives worker k the seed base + k; the base alone is the same whichever
+            # worker loads the sample, which a resume changes.
+            seed_streams(sample_seed(info.seed - info.id, index))
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[Any]) -> list[Any]:
+        batched = getattr(self.dataset, "__getitems__", None)
+        if not batched or not indices:
+            return [self[i] for i in indices]
+        info = get_worker_info()
+        if info is not None:
+            seed_streams(sample_seed(info.seed - info.id, indices[0]))
+        return batched(indices)
+
+    def __getattr__(self, name: str) -> Any:
+        # A worker_init_fn may look at the data set's attributes; pickling (spawn) must not
+        # recurse into a half-built object.
+        if name.startswith("__") or name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def sample_seed(base: int, index: Any) -> int:
+    """A 64-bit seed from an epoch's worker seed and a sample's index (stable across
+    processes, unlike ``hash()`` of a string)."""
+    try:
+        key = str(operator.index(index))
+    except TypeError:
+        key = repr(index)
+    digest = hashlib.blake2b(f"{base}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def seed_streams(seed: int) -> None:
+    """Seed torch's CPU, Python's and (when imported) NumPy's global streams.
+
+    ``torch.default_generator.manual_seed`` rather than ``torch.manual_seed``: the latter also
+    seeds every accelerator and costs ~100x more, per sample.
+    """
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed & 0xFFFF_FFFF)
+
+
+def advance(iterator: Iterator[Any], skip: int) -> None:
+    """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``.
+
+    Raises:
+        ProcckptError: it ran out first: the data is not what the checkpoint was taken on.
+    """
+    for done in range(skip):
+        try:
+            next(iterator)
+        except StopIteration:
+            raise ProcckptError(
+                f"the data loader ran out after {done} batches, but the checkpoint was taken "
+                f"after batch {skip} of this epoch: did the data set or batch size change? Use "
+                "a new checkpoint dir to start over.") from None
+
+
+def loader_generators(loader: object) -> list[torch.Generator]:
+    """Generators a DataLoader draws its order from besides torch's global one."""
+    found: list[torch.Generator] = []
+    for owner in (loader, getattr(loader, "sampler", None),
+                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        gen = getattr(owner, "generator", None)
+        if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
+            found.append(gen)
+    return found
+
+
+# -- internals -------------------------------------------------------------------------------
+def _replay(iterator: Iterator[Any], skip: int, why: str) -> str:
+    """Produce the first ``skip`` batches again and drop them; say so and why."""
+    if not skip:
+        return ""
+    advance(iterator, skip)
+    return (f"replayed the {skip} batches trained before the restart ({why}: its cost grows "
+            "with the position)")
+
+
+def _not_repeatable(dataset: Any) -> str:
+    """Why skipping the samples of ``dataset`` would not be exact ("" when it would): one
+    sample, loaded twice from the same random state, must come out the same.
+
+    The loads run in a forked child, so that they move nothing the data set keeps (a generator
+    of its own, a cache) in this process: the run goes on as if they had not happened.
+    """
+    try:
+        size = len(dataset)
+    except TypeError:
+        return "a data set without len()"
+    if not size:
+        return ""
+    if not hasattr(os, "fork"):
+        return "no fork() here to load a sample without touching the data set"
+    pid = os.fork()
+    if pid == 0:  # the child: only os._exit, no clean-up of the parent's state
+        code = 3
+        try:
+            loads = []
+            for _ in range(2):
+                seed_streams(sample_seed(0, 0))
+                loads.append(dataset[0])
+            code = 0 if _same(*loads) else 1
+        finally:
+            os._exit(code)
+    code = _wait_child(pid, PROBE_TIMEOUT)
+    if code == 0:
+        return ""
+    if code == 1:
+        return ("sample 0, loaded twice from the same random state, differed: the data set "
+                "draws from a generator of its own or reads something that changes; draw from "
+                "torch's, Python's or NumPy's global streams to make the resume skip instead")
+    return f"a test load of sample 0 in a child process failed ({code})"
+
+
+def _wait_child(pid: int, timeout: float) -> int | str:
+    """The exit code of child ``pid``, or what ended it; killed after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return f"no answer in {timeout:.0f}s"
+        time.sleep(0.005)
+    if os.WIFEXITED(status):
+        return os.WEXITSTATUS(status)
+    return f"signal {os.WTERMSIG(status)}"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two loaded samples are equal, through tensors, arrays and containers."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    np = sys.modules.get("numpy")
+    if np is not None and (isinstance(a, np.ndarray) or isinstance(b, np.ndarray)):
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
+                and a.dtype == b.dtype and bool(np.array_equal(a, b)))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a value that cannot say: not provably the same
+        return False
+
+
+@contextlib.contextmanager
+def _swapped(loader: DataLoader, swaps: dict[str, Any]) -> Iterator[None]:
+    """Give ``loader`` other values for fields it freezes after construction, for the
+    creation of one iterator (which keeps what it read); then put them back."""
+    saved = {name: getattr(loader, name) for name in swaps}
+    try:
+        for name, value in swaps.items():
+            object.__setattr__(loader, name, value)
+        yield
+    finally:
+        for name, value in saved.items():
+            object.__setattr__(loader, name, value)
+
+
+class _SkipFirst:
+    """A sampler (or batch sampler) whose iterators pass over their first ``skip`` items."""
+
+    def __init__(self, sampler: Iterable[Any], skip: int) -> None:
+        self.sampler, self.skip = sampler, skip
+        #: The newest iterator: a DataLoader iterator opens one, then opens it again.
+        self.current: _SkippingIterator | None = None
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> _SkippingIterator:
+        self.current = _SkippingIterator(iter(self.sampler), self.skip)
+        return self.current
+
+
+class _SkippingIterator:
+    """Skips on the first ``next()`` (a worker loader's first prefetch), or when told."""
+
+    def __init__(self, inner: Iterator[Any], skip: int) -> None:
+        self._inner, self._skip = inner, skip
+
+    def skip_now(self) -> None:
+        if self._skip:
+            skip, self._skip = self._skip, 0
+            advance(self._inner, skip)
+
+    def __iter__(self) -> _SkippingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        self.skip_now()
+        return next(self._inner)

@@ -1,0 +1,102 @@
+"""Opening a DataLoader at a batch of its epoch: the skip loads nothing, gives the batches the
+whole epoch would have given from there, with worker processes too; a data set that is not a
+function of its index is replayed, and the test of that leaves it untouched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from procckpt.errors import UsageError
+from procckpt.training.loaders import SKIPPED, check_loader, open_at
+from procckpt.training.rng import capture_rng, restore_rng
+
+
+class Noisy(Dataset):
+    """A random transform per sample, from torch's global stream or a generator of its own."""
+
+    def __init__(self, n: int = 64, own: bool = False) -> None:
+        self.x = torch.arange(n, dtype=torch.float64).unsqueeze(1).repeat(1, 4)
+        self.rng = torch.Generator().manual_seed(3) if own else None
+        self.loads = 0
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        self.loads += 1
+        return self.x[i] + torch.randn(4, dtype=torch.float64, generator=self.rng)
+
+
+def epoch(loader: DataLoader, skip: int, streams: dict) -> tuple[list[torch.Tensor], str]:
+    """The batches of one epoch from ``skip`` on, started from ``streams``."""
+    restore_rng(streams)
+    iterator, how = open_at(loader, skip)
+    return list(iterator), how
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_skip_gives_the_rest_of_the_epoch_without_loading_the_skipped_samples(workers: int):
+    torch.manual_seed(0)
+    data = Noisy()
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=workers)
+    start = capture_rng()
+    restore_rng(start)
+    iterator, how = open_at(loader, 0)
+    whole = [next(iterator) for _ in range(10)]
+    after_ten = capture_rng()  # what a checkpoint after batch 10 holds
+    whole += list(iterator)
+    assert how == ""
+    data.loads = 0
+    restore_rng(start)  # as a resume does: the epoch's start, the skip, then the saved streams
+    rest_iterator, how = open_at(loader, 10)
+    restore_rng(after_ten)
+    rest = list(rest_iterator)
+    assert how == SKIPPED
+    assert len(rest) == len(whole) - 10
+    assert all(torch.equal(a, b) for a, b in zip(whole[10:], rest))
+    if workers == 0:  # loaded in this process: only the batches after the skip
+        assert data.loads == 4 * len(rest)
+
+
+def test_with_workers_a_sample_is_the_same_whichever_worker_loads_it():
+    torch.manual_seed(0)
+    start = capture_rng()
+    one, _ = epoch(DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=1), 0, start)
+    two, _ = epoch(DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2), 0, start)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+
+
+def test_a_data_set_with_its_own_generator_is_replayed_and_left_untouched_by_the_test():
+    torch.manual_seed(0)
+    data = Noisy(own=True)
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+    start = capture_rng()
+    before = data.rng.get_state()
+    whole, _ = epoch(loader, 0, start)
+    rest, how = epoch(loader, 5, start)
+    assert how.startswith("replayed the 5 batches") and "differed" in how
+    assert torch.equal(data.rng.get_state(), before)  # the workers had copies; so had the test
+    assert data.loads == 0
+    assert all(torch.equal(a, b) for a, b in zip(whole[5:], rest))
+
+
+def test_without_workers_a_data_set_with_its_own_generator_is_warned_about(caplog):
+    data = Noisy(own=True)
+    loader = DataLoader(data, batch_size=4)
+    _, how = epoch(loader, 3, capture_rng())
+    assert how.startswith("replayed the 3 batches")
+    assert "ckpt.extras" in caplog.text
+
+
+def test_a_skip_past_the_end_says_the_data_changed():
+    loader = DataLoader(Noisy(8), batch_size=4, num_workers=2)
+    with pytest.raises(Exception, match="ran out after 2 batches"):
+        epoch(loader, 5, capture_rng())
+
+
+def test_loader_settings_no_resume_can_repeat_are_refused():
+    for kwargs in ({"persistent_workers": True}, {"in_order": False}):
+        with pytest.raises(UsageError, match=next(iter(kwargs))):
+            check_loader(DataLoader(Noisy(), num_workers=1, **kwargs))
