@@ -83,8 +83,10 @@ def run_command(config: RunConfig) -> int:
     with store.lock():
         complete = store.completion()
         if complete and not config.force:
-            logger.info("the run in %s already finished (step %s); nothing to do. Use --force "
-                        "or a new --dir to train again", store.root, complete.get("step"))
+            step = complete.get("step")
+            logger.info("the run in %s already finished%s; nothing to do. Use --force or a new "
+                        "--dir to train again", store.root,
+                        "" if step is None else f" (step {step})")
             return 0
         if config.force:
             archived = store.archive()

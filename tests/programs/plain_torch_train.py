@@ -9,6 +9,7 @@ printed steps of all cycles together count up without going back.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import time
 
 import torch
@@ -23,13 +24,18 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--subprocess-every", type=int, default=0,
+                        help="run a short subprocess every N steps (as scripts do for git, "
+                             "nvidia-smi, a data download)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     x = torch.randn(args.n, 16)
     y = (x.sum(1) > 0).long()
-    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True)
+    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True,
+                        num_workers=args.workers)
     model = nn.Sequential(nn.Linear(16, args.hidden), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(args.hidden, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -42,6 +48,8 @@ def main() -> None:
             optimizer.step()
             step += 1
             print(f"step {step} loss {loss.item():.6f}", flush=True)
+            if args.subprocess_every and step % args.subprocess_every == 0:
+                subprocess.run(["true"], check=True)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     torch.save(model.state_dict(), args.out)

@@ -115,6 +115,12 @@ class Supervisor:
                 append_event(self.store.events_path, "fallback", message=outcome.retry,
                              cycle=self.cycles)
                 continue
+            stuck = getattr(self.engine, "stuck", None)
+            if stuck and not outcome.finished and outcome.confirmed is None:
+                # The engine cannot take an image of this command: every cycle would end so.
+                return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
+                                  f"{stuck}. Running the same command again "
+                                  f"{self._resumes_from()}", error=True)
             if outcome.hung and not outcome.finished:
                 if restarts >= self.config.max_restarts:
                     return self._exit(1, ExitReason.HUNG,
@@ -156,7 +162,7 @@ class Supervisor:
                                   "never connected to procckpt, so nothing was saved and a "
                                   "rerun starts from the beginning: use procckpt.Checkpointer "
                                   "in the script, or --engine dmtcp", error=True)
-            step = outcome.confirmed.step if outcome.confirmed else None
+            step = outcome.confirmed.progress if outcome.confirmed else None
             if step is None or (last_step is not None and step <= last_step):
                 stalled += 1
                 logger.warning("cycle %d ended without a new checkpoint; the next cycle %s",
@@ -175,7 +181,8 @@ class Supervisor:
                 restarts += 1
                 logger.info("restarting (%s)", verdict.message)
                 append_event(self.store.events_path, "restart", restart=restarts,
-                             cause=cause.value, step=last_step)
+                             cause=cause.value, step=step if outcome.confirmed and
+                             outcome.confirmed.step is not None else None)
                 continue
             if verdict.decision is Decision.REQUEUED:
                 return self._exit(0, ExitReason.REQUEUED, verdict.message)
@@ -246,8 +253,12 @@ class Supervisor:
         return RunResult(code, reason, self.cycles, message)
 
     def _latest_step(self) -> int | None:
+        """The newest checkpoint's step (its number for engines that know no steps), as
+        :attr:`Confirmation.progress` counts."""
         infos = self.store.checkpoints()
-        return infos[0].step if infos else None
+        if not infos:
+            return None
+        return infos[0].step if infos[0].step is not None else infos[0].seq
 
     # -- one cycle -------------------------------------------------------------------------
     def _run_cycle(self, restarts: int) -> CycleOutcome:

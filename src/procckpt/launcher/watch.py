@@ -229,7 +229,7 @@ def log_confirmed(store: CheckpointStore, c: Confirmation, waited: float, cycle:
     if c.checkpoint is None:
         logger.warning("the checkpoint failed after %.1fs: %s", waited, c.error or "unknown")
     else:
-        logger.info("checkpoint %s confirmed (step %s) after %.1fs", c.checkpoint, c.step,
-                    waited)
+        logger.info("checkpoint %s confirmed%s after %.1fs", c.checkpoint,
+                    "" if c.step is None else f" (step {c.step})", waited)
     append_event(store.events_path, "confirmed", checkpoint=c.checkpoint, step=c.step,
                  seconds=round(waited, 3), cycle=cycle)

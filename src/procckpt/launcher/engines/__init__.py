@@ -35,10 +35,17 @@ class Confirmation:
     """A checkpoint the engine confirmed durable during the current cycle."""
 
     checkpoint: str | None
-    step: int | None
+    step: int | None  # the training step it holds; None where the engine knows no steps
     stopping: bool  # the training process exits after it
     seq: int = 0
     error: str | None = None
+    number: int | None = None  # its number in the store (ckpt-N)
+
+    @property
+    def progress(self) -> int | None:
+        """What shows the run moved on: its step, or the checkpoint's number where the
+        engine knows no steps (DMTCP: every image is taken later in the run)."""
+        return self.step if self.step is not None else self.number
 
 
 class Engine(Protocol):

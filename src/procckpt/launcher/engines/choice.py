@@ -23,7 +23,9 @@ import logging
 import os
 import re
 import shlex
+import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ from pathlib import Path
 from ...errors import UsageError
 from ...store import CheckpointStore
 from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
+from .dmtcp.engine import fork_safe_env
 
 __all__ = ["EngineChoice", "choose_engine", "cuda_visible", "imports_procckpt"]
 
@@ -40,6 +43,8 @@ logger = logging.getLogger(__name__)
 _IMPORT_RE = re.compile(r"^\s*(?:import\s+procckpt\b|from\s+procckpt(?:\.\w+)*\s+import\b)",
                         re.MULTILINE)
 _SCRIPT_LIMIT = 4 << 20
+#: Seconds the DMTCP probe may take (a hung fork never ends by itself).
+PROBE_TIMEOUT = 30.0
 _SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh"})
 #: Tokens of a shell string (as shlex splits it) after which another command starts, or the
 #: real program of this one (exec, time, env, nohup run the words that follow).
@@ -246,20 +251,41 @@ def cuda_visible(environ: Mapping[str, str], dev: Path = Path("/dev")) -> str | 
     return None
 
 
+#: What a training script does that DMTCP must survive: threads running (NumPy's BLAS pool
+#: among them, when NumPy is there), then a fork and exec (a subprocess, a DataLoader worker).
+_PROBE = """
+import subprocess, threading, time
+try:
+    import numpy
+except ImportError:
+    pass
+threading.Thread(target=time.sleep, args=(1,), daemon=True).start()
+subprocess.run(["true"], check=True)
+"""
+
+
 def probe_dmtcp(tools: DmtcpTools) -> str | None:
-    """Launch ``true`` under DMTCP with a private coordinator; why that failed, or None."""
+    """Run a Python that forks under threads, under DMTCP with a private coordinator and the
+    environment the engine gives commands; why that failed, or None."""
     with tempfile.TemporaryDirectory(prefix="procckpt-dmtcp-probe-") as tmp:
         argv = [tools.launch, "--new-coordinator", "--coord-port", "0", "--port-file",
-                str(Path(tmp) / "port"), "--ckptdir", tmp, "-q", "-q", "true"]
+                str(Path(tmp) / "port"), "--ckptdir", tmp, "-q", "-q", sys.executable, "-c",
+                _PROBE]
         env = {k: v for k, v in os.environ.items() if not k.startswith("DMTCP_")}
+        env.update(fork_safe_env(env))
         try:
-            done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env,
-                                  start_new_session=True)
-        except subprocess.TimeoutExpired:
-            return "a test launch under dmtcp_launch did not finish in 60s"
+            proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True, env=env, start_new_session=True)
         except OSError as e:
             return f"dmtcp_launch cannot be run ({e.strerror})"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        return f"a test launch under dmtcp_launch failed (exit {done.returncode}: {last[:200]})"
+        try:
+            _, stderr = proc.communicate(timeout=PROBE_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its coordinator too: same session
+            proc.communicate()
+            return (f"a test program that forks under threads did not finish under DMTCP in "
+                    f"{PROBE_TIMEOUT:.0f}s")
+    if proc.returncode != 0:
+        last = (stderr.strip().splitlines() or ["no message"])[-1]
+        return f"a test launch under dmtcp_launch failed (exit {proc.returncode}: {last[:200]})"
     return None

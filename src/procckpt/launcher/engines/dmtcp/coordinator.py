@@ -41,6 +41,8 @@ class Coordinator:
         self.proc = proc
         self.port = port
         self._run = run
+        #: The processes under DMTCP when the last checkpoint was asked for.
+        self.peers = 0
 
     @classmethod
     def start(cls, tools: DmtcpTools, work: Path, images: Path, port_file: Path,
@@ -107,6 +109,7 @@ class Coordinator:
         state = self.status()
         if state is None or not state[1] or state[0] < 1:
             return False  # a restore or another checkpoint is still in progress
+        self.peers = state[0]
         done = self.command(command, timeout=3600)
         if done is None:
             return False

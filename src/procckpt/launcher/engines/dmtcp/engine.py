@@ -11,20 +11,9 @@ foreign or stale one and two runs on a node never meet::
 
 DMTCP writes its images into ``DIR/dmtcp/images/`` (its ``--ckptdir``); once they are complete
 they are renamed into a store checkpoint (``ckpt-N/``, MANIFEST with sizes and CRC-32, fsync,
-rename), the same guarantees as the hooks engine's ``state.pt``. Facts about DMTCP 4.2 that
-shaped this module (measured; docs/dmtcp.md has the numbers):
-
-* ``dmtcp_command --bcheckpoint`` returns before the images are written (the coordinator drops
-  the blocking prefix). Completion is therefore read from the files: the coordinator writes its
-  ``dmtcp_restart_script_*.sh`` only after every process renamed its finished image into place,
-  and sets the script's execute bit after closing it.
-* A truncated image makes ``mtcp_restart`` spin forever. Only images whose checksums verify are
-  restarted, and a restore that does not reach the running state in time is killed.
-* A failed restore (unreadable image, missing saved file) exits with 99 within a second; the
-  cycle then falls back to the previous image (:meth:`DmtcpEngine.after_exit`).
-* DMTCP keeps copies of some open files beside an image (``<image>_files/``) and needs them at
-  restart under the absolute path they had; they are stored in the checkpoint and put back.
-* Processes that the coordinator kills (``--kcheckpoint``, ``--quit``) exit with status 0.
+rename), the same guarantees as the hooks engine's ``state.pt``. The facts about DMTCP 4.2
+that shaped this module (completion read from the files, checksums before a restart, the
+restore watchdog, saved files) are measured in docs/dmtcp.md.
 """
 
 from __future__ import annotations
@@ -36,7 +25,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ....durations import parse_duration
@@ -46,6 +34,8 @@ from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation
 from .coordinator import Coordinator
 from .images import ImageDir, restore_saved_files
+from .cycle import Cycle, Job
+from .forks import STALL_S, StuckImages, fork_safe_env
 from .tools import DmtcpError, DmtcpTools
 
 __all__ = ["DmtcpEngine", "CKPT_SIGNAL"]
@@ -65,33 +55,6 @@ AFTER_EXIT_WAIT_S = 10.0
 ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
 #: Overrides the restore time limit (a duration: 90s, 10m) for slow filesystems.
 ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
-
-
-@dataclass
-class _Job:
-    """One checkpoint request being served by the checkpoint thread."""
-
-    seq: int
-    reason: str
-    stop: bool
-    thread: threading.Thread | None = None
-    quit_after: bool = False  # a stop arrived while this (non-stop) checkpoint was in flight
-    committing: bool = False  # the images are complete and being moved into the store
-    answered: bool = False  # its confirmation is out: a later request needs a new checkpoint
-
-
-@dataclass
-class _Cycle:
-    """What the engine knows about the cycle in progress."""
-
-    token: str
-    coordinator: Coordinator
-    restored_from: CheckpointInfo | None
-    pid: int | None = None
-    running: threading.Event = field(default_factory=threading.Event)
-    over: threading.Event = field(default_factory=threading.Event)
-    over_at: float = 0.0
-    restore_failed: str | None = None
 
 
 class DmtcpEngine:
@@ -123,14 +86,20 @@ class DmtcpEngine:
         self._run = run
         self._version: str | None = None
         self._command: list[str] = []
-        self._cycle: _Cycle | None = None
+        self._cycle: Cycle | None = None
         self._lock = threading.Lock()
         self._seq = 0
-        self._job: _Job | None = None
+        self._job: Job | None = None
         self._confirmed: Confirmation | None = None
         self._failed_images: set[str] = set()
         self._warned_processes = False
         self._monitor: threading.Thread | None = None
+        self.stuck_images = StuckImages()
+
+    @property
+    def stuck(self) -> str | None:
+        """Why no image of this command will complete (a failure that repeats), once seen."""
+        return self.stuck_images.message
 
     # -- Engine protocol ------------------------------------------------------------------
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
@@ -146,7 +115,7 @@ class DmtcpEngine:
         coordinator = Coordinator.start(self.tools, self.work, self.images, self.port_file,
                                         self._run)
         port = coordinator.port
-        self._cycle = _Cycle(token, coordinator, image)
+        self._cycle = Cycle(token, coordinator, image)
         # -q -q: DMTCP's notes and warnings (running as root; "failed to restore this process
         # as session leader", which is harmless under procckpt) would fill the command's stderr
         # on every restart; its errors are still printed.
@@ -172,7 +141,7 @@ class DmtcpEngine:
         self._monitor = threading.Thread(target=self._watch_state, args=(self._cycle,),
                                          name="procckpt-dmtcp-monitor", daemon=True)
         self._monitor.start()
-        return out, {}
+        return out, fork_safe_env(os.environ)
 
     def child_started(self, pid: int) -> None:
         """The supervisor started this cycle's command as ``pid`` (its own process group)."""
@@ -186,12 +155,15 @@ class DmtcpEngine:
             seq = self._seq
             job = self._job
             if job is not None and not job.answered:
-                # One checkpoint at a time: the one in flight answers this request too, and a
-                # stop then ends the command as soon as its images are committed.
+                # One checkpoint at a time. A stop must be served by an image the process
+                # stopped at (else the steps run after a running image would run again after
+                # the restart): it follows the one in flight. Anything else shares it.
                 if stop and not job.stop:
-                    job.quit_after = True
+                    if job.then_stop is None:
+                        job.then_stop = Job(seq, reason, True, thread=job.thread)
+                    return job.then_stop.seq
                 return job.seq
-            job = _Job(seq, reason, stop)
+            job = Job(seq, reason, stop)
             job.thread = threading.Thread(target=self._serve, args=(job,),
                                           name="procckpt-dmtcp-checkpoint", daemon=True)
             self._job = job
@@ -230,7 +202,11 @@ class DmtcpEngine:
             job.thread.join(timeout=30)
         with self._lock:
             c = self._confirmed
-        return c if c is not None and c.stopping and c.checkpoint is not None else None
+        confirmed = c if c is not None and c.stopping and c.checkpoint is not None else None
+        if job is not None and job.stop:
+            self.stuck_images.stop_ended(confirmed is not None, job.wrote, job.sent_at,
+                                         cycle.over_at, cycle.coordinator.peers)
+        return confirmed
 
     def after_exit(self, exit_code: int, requested: bool) -> str | None:
         """Called once the cycle ended (after :meth:`end_cycle`).
@@ -292,7 +268,7 @@ class DmtcpEngine:
             pass
 
     # -- the command's state ---------------------------------------------------------------
-    def _watch_state(self, cycle: _Cycle) -> None:
+    def _watch_state(self, cycle: Cycle) -> None:
         """Until the command runs under DMTCP: note when it does, and kill a restore that
         does not get there in time (mtcp_restart can spin forever on a bad image)."""
         started = time.monotonic()
@@ -316,16 +292,36 @@ class DmtcpEngine:
             cycle.over.wait(0.5)
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _serve(self, job: _Job) -> None:
+    def _serve(self, job: Job) -> None:
+        """Serve ``job``, then the stop that arrived while it was in flight, if any."""
+        follow: Job | None = job
+        while follow is not None:
+            job = follow
+            c = self._checkpoint(job)
+            with self._lock:  # with the answer: a later request() sees it, or is followed
+                self._confirmed = c
+                job.answered = True
+                follow = job.then_stop
+                if follow is not None:
+                    self._job = follow
+            if c.checkpoint is not None:
+                try:
+                    self.store.prune()
+                except OSError as e:
+                    logger.warning("dmtcp: could not delete old images: %s", e)
+            if follow is not None:
+                logger.info("dmtcp: the stop came while a running image was being taken; "
+                            "taking one to stop at")
+
+    def _checkpoint(self, job: Job) -> Confirmation:
+        """Take and commit one checkpoint; its confirmation (with the error if it failed)."""
         cycle = self._cycle
         assert cycle is not None
         started = time.monotonic()
         try:
             written = self._take_images(cycle, job)
             if written is None:
-                self._confirm(Confirmation(None, None, job.stop, job.seq,
-                                           "DMTCP wrote no complete image"))
-                return
+                return Confirmation(None, None, job.stop, job.seq, "DMTCP wrote no complete image")
             names, write_seconds = written
             if len(names) > 1 and not self._warned_processes:
                 self._warned_processes = True
@@ -337,8 +333,7 @@ class DmtcpEngine:
             info = self._commit(names, job, write_seconds, cycle)
         except Exception as e:  # a failed checkpoint must not kill the supervisor
             logger.error("dmtcp: checkpoint failed: %s", e)
-            self._confirm(Confirmation(None, None, job.stop, job.seq, str(e)))
-            return
+            return Confirmation(None, None, job.stop, job.seq, str(e))
         seconds = time.monotonic() - started
         logger.info("dmtcp: checkpoint %s: %s written in %.1fs, committed in %.1fs (%s)",
                     info.name, _megabytes(info.nbytes), write_seconds, seconds - write_seconds,
@@ -347,25 +342,9 @@ class DmtcpEngine:
                      bytes=info.nbytes, seconds=round(seconds, 3),
                      write_seconds=round(write_seconds, 3), reason=job.reason,
                      engine=self.name)
-        with self._lock:
-            stopping = job.stop or job.quit_after
-            self._confirmed = Confirmation(info.name, info.seq, stopping,
-                                           self._seq if stopping else job.seq)
-            job.answered = True
-        if stopping and not job.stop:
-            cycle.coordinator.command("--quit")  # the stop that arrived during this checkpoint
-        try:
-            self.store.prune()
-        except OSError as e:
-            logger.warning("dmtcp: could not delete old images: %s", e)
+        return Confirmation(info.name, None, job.stop, job.seq, number=info.seq)
 
-    def _confirm(self, c: Confirmation) -> None:
-        with self._lock:
-            self._confirmed = c
-            if self._job is not None and self._job.seq == c.seq:
-                self._job.answered = True
-
-    def _take_images(self, cycle: _Cycle, job: _Job) -> tuple[list[str], float] | None:
+    def _take_images(self, cycle: Cycle, job: Job) -> tuple[list[str], float] | None:
         """Ask DMTCP for a checkpoint and wait until its images are complete.
 
         Returns the image file names and the seconds the write took, or None when the
@@ -375,6 +354,7 @@ class DmtcpEngine:
         sent_at: float | None = None
         sends = 0
         next_check = 0.0
+        written, grew_at = 0, 0.0
         while True:
             now = time.monotonic()
             if cycle.over.is_set() and now - cycle.over_at > AFTER_EXIT_WAIT_S:
@@ -382,6 +362,14 @@ class DmtcpEngine:
             script = self.image_dir.finished_script()
             if script is not None and sent_at is not None:
                 return self.image_dir.image_names(script), now - sent_at
+            if sent_at is not None and not cycle.over.is_set():
+                size = self.image_dir.bytes_written()
+                if size != written:
+                    written, grew_at = size, now
+                    job.wrote = True
+                elif now - grew_at > STALL_S:
+                    self._stalled(cycle, job, now - sent_at)
+                    return None
             if cycle.coordinator.exited:
                 script = self.image_dir.finished_script()
                 if script is None or sent_at is None:
@@ -390,7 +378,9 @@ class DmtcpEngine:
             if sent_at is None and cycle.running.is_set() and not cycle.over.is_set():
                 if cycle.coordinator.checkpoint(command):
                     sends += 1
-                    sent_at = next_check = time.monotonic()
+                    sent_at = next_check = grew_at = time.monotonic()
+                    job.sent_at = job.sent_at or sent_at
+                    written = self.image_dir.bytes_written()  # what an earlier image left
                     next_check += 5
                     continue
             elif sent_at is not None and now >= next_check and sends < 5:
@@ -401,7 +391,21 @@ class DmtcpEngine:
                     continue
             time.sleep(POLL if sent_at is not None else 0.2)
 
-    def _lost(self, cycle: _Cycle) -> bool:
+    def _stalled(self, cycle: Cycle, job: Job, waited: float) -> None:
+        """An image stopped growing before it was complete: end the cycle (the command is
+        frozen in DMTCP's checkpoint); the supervisor then says why."""
+        self.stuck_images.stalled(waited, cycle.coordinator.peers)
+        logger.error("dmtcp: no byte of the image written for %.0fs; stopping the command",
+                     STALL_S)
+        append_event(self.store.events_path, "image-stuck", seconds=round(waited, 3),
+                     processes=cycle.coordinator.peers, wrote=job.wrote)
+        if cycle.pid:
+            try:
+                os.killpg(cycle.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _lost(self, cycle: Cycle) -> bool:
         """Whether a sent checkpoint request seems not to have started: no image is being
         written, none is finished, and the coordinator reports its processes running."""
         images = self.image_dir
@@ -411,8 +415,8 @@ class DmtcpEngine:
         return (state is not None and state[1] and not images.writing()
                 and images.finished_script() is None)
 
-    def _commit(self, names: list[str], job: _Job, write_seconds: float,
-                cycle: _Cycle) -> CheckpointInfo:
+    def _commit(self, names: list[str], job: Job, write_seconds: float,
+                cycle: Cycle) -> CheckpointInfo:
         meta: dict[str, Any] = {
             "engine": self.name, "reason": job.reason, "command": self._command,
             "restored_from": cycle.restored_from.name if cycle.restored_from else None,

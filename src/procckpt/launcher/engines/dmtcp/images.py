@@ -40,6 +40,16 @@ class ImageDir:
         shutil.rmtree(self.path, ignore_errors=True)
         self.path.mkdir()
 
+    def bytes_written(self) -> int:
+        """Bytes in the dir so far: the images being written and those finished."""
+        total = 0
+        for f in self.path.iterdir():
+            try:
+                total += f.stat().st_size
+            except FileNotFoundError:  # renamed from .temp meanwhile
+                continue
+        return total
+
     def writing(self) -> bool:
         """Whether an image is being written right now."""
         return any(self.path.glob("*.temp"))

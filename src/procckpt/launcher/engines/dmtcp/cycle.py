@@ -1,0 +1,42 @@
+"""What the DMTCP engine knows of the cycle in progress and of the checkpoint it is taking."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ....store import CheckpointInfo
+from .coordinator import Coordinator
+
+__all__ = ["Cycle", "Job"]
+
+
+@dataclass
+class Job:
+    """One checkpoint request being served by the checkpoint thread."""
+
+    seq: int
+    reason: str
+    stop: bool
+    thread: threading.Thread | None = None
+    #: A stop that arrived while this (non-stop) checkpoint was in flight: served by a
+    #: checkpoint of its own right after, since this image is of a process that kept running.
+    then_stop: Job | None = None
+    sent_at: float | None = None  # when DMTCP was asked
+    wrote: bool = False  # whether any image byte appeared since
+    committing: bool = False  # the images are complete and being moved into the store
+    answered: bool = False  # its confirmation is out: a later request needs a new checkpoint
+
+
+@dataclass
+class Cycle:
+    """What the engine knows about the cycle in progress."""
+
+    token: str
+    coordinator: Coordinator
+    restored_from: CheckpointInfo | None
+    pid: int | None = None
+    running: threading.Event = field(default_factory=threading.Event)
+    over: threading.Event = field(default_factory=threading.Event)
+    over_at: float = 0.0
+    restore_failed: str | None = None
