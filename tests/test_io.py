@@ -129,6 +129,35 @@ def test_the_arena_is_allocated_once_and_reused() -> None:
     assert arena.allocations == 2 and torch.equal(third.payload["c"], weights["c"])
 
 
+def test_an_arena_reserved_ahead_is_the_one_the_first_checkpoint_copies_into(
+        tmp_path: Path) -> None:
+    """Issue 12: the first checkpoint stalls like the others: its memory was made after the
+    first step, in the background, while training went on."""
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    optimizer = torch.optim.Adam(model.parameters())  # its state appears at the first step
+    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=optimizer, save_every=None,
+                        async_save=True)
+    saver = ckpt._background
+    assert saver is not None
+    batches = ckpt.batches(iter(lambda: torch.randn(8, 256), None))
+    for step, x in enumerate(batches):
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 2:
+            break
+    assert saver.reserved and saver.arena.allocations == 1  # before any checkpoint
+    reserved = saver.arena.capacity
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert reserved >= 3 * weights  # the parameters and Adam's two moments
+    ckpt.request_checkpoint()
+    next(batches)  # the safe point after this step takes it
+    ckpt.flush()
+    assert ckpt.last_checkpoint is not None
+    assert saver.arena.allocations == 1 and saver.arena.capacity == reserved
+    ckpt.close()
+
+
 def test_the_same_tensor_is_copied_once() -> None:
     t = torch.randn(1000)
     snap = HostArena().capture({"x": t, "y": t, "z": [t]})

@@ -387,6 +387,10 @@ class Checkpointer:
     def _safe_point(self, epoch_end: bool = False) -> None:
         triggers = self._triggers
         now = time.monotonic()
+        if self._background is not None and self._background.unreserved:
+            # After the first step the state has its final shapes (optimizers make theirs
+            # lazily): size the arena now, in the background, not at the first checkpoint.
+            self._background.reserve(self._payload())
         triggers.poll(now)
         triggers.beat(now, self.step)
         flags = triggers.wanted(now, epoch_end, self.epoch)

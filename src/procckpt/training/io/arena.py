@@ -80,7 +80,8 @@ _ATOMS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 
 class HostArena:
-    """Host memory for snapshot copies: allocated at the first checkpoint, reused after.
+    """Host memory for snapshot copies: allocated ahead (:meth:`reserve`) or at the first
+    checkpoint, reused after.
 
     The arena is one anonymous mapping, as large as the state's tensors (rounded to whole
     pages), populated when it is made; only the first checkpoint (or one after the state
@@ -134,6 +135,23 @@ class HostArena:
         rebuilt = self._rebuild(payload, copies)
         nbytes = sum(s.untyped_storage().nbytes() for s in slots)
         return Snapshot(rebuilt, nbytes, len(sources), time.perf_counter() - started, events)
+
+    def reserve(self, payload: Any) -> None:
+        """Lay out (and allocate) the arena for ``payload`` without copying anything, so that
+        a later :meth:`capture` of a payload of the same shapes only copies. Reads the
+        tensors' shapes and dtypes only: it may run while the training changes their values.
+
+        Raises:
+            NotSnapshottable: the payload cannot be captured this way (nor reserved for).
+        """
+        unique: dict[tuple[Any, ...], int] = {}
+        sources: list[torch.Tensor] = []
+        self._collect(payload, unique, sources, [])
+        signature = tuple((s.dtype, tuple(s.shape), s.device.type) for s in sources)
+        wants_pinned = any(s.is_cuda for s in sources)
+        if signature != self._signature or wants_pinned != self.pinned:
+            self._plan(sources, wants_pinned)
+            self._signature = signature
 
     def release(self) -> None:
         """Give the memory back (the next capture allocates again)."""
