@@ -6,6 +6,7 @@ process plays a single rank where a group of one is enough. About 15 s in all.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import queue
@@ -140,21 +141,43 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
         out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saves.saved_at)  # type: ignore[union-attr]
 
         # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
-        real = coordinator._write_synced
+        real = coordinator.write_synced
 
         def broken(path: Path, obj: Any) -> None:
             raise OSError(28, "No space left on device")
 
         ckpt_b = Checkpointer(Path(root) / "b", model=nn.Linear(4, 2), save_every=0)
         if rank == 1:
-            coordinator._write_synced = broken  # type: ignore[assignment]
+            coordinator.write_synced = broken  # type: ignore[assignment]
         try:
             ckpt_b.save("test")
             out["b"] = "saved"
         except ProcckptError as e:
             out["b"] = str(e)
         finally:
-            coordinator._write_synced = real  # type: ignore[assignment]
+            coordinator.write_synced = real  # type: ignore[assignment]
+
+        # E: checkpoints written in the background (the default): each rank copies its part
+        # at the agreed step and writes it on its writer thread; rank 0 commits at a later
+        # agreement. Then rank 1's background write fails: that checkpoint is aborted on
+        # both ranks, the first stays, training goes on.
+        ckpt_e = Checkpointer(Path(root) / "e", model=nn.Linear(4, 2), sync_every=1,
+                              save_every=0)
+        out["e_background"] = ckpt_e._saves.group is not None
+        committed = []
+        for i in ckpt_e.batches(range(30)):
+            if i == 3:
+                ckpt_e.request_checkpoint(reason="first")
+            if i == 12:
+                if rank == 1:
+                    coordinator.write_synced = broken  # type: ignore[assignment]
+                ckpt_e.request_checkpoint(reason="second")
+            if i == 20:
+                coordinator.write_synced = real  # type: ignore[assignment]
+            last = ckpt_e.last_checkpoint
+            committed.append((i, last.name if last is not None else None))
+        out["e_committed"] = committed
+        out["e_left"] = sorted(p.name for p in (Path(root) / "e" / "checkpoints").iterdir())
 
         # C: a stop that only rank 1 wants stops both ranks, after one checkpoint; adaptive
         # agreement, 10 ms steps: the ranks agree every 20 steps (0.2 s).
@@ -246,6 +269,26 @@ def test_a_failed_part_aborts_the_whole_checkpoint(two_ranks):
         assert "failed on rank(s) 1" in results[rank]["b"]
     leftovers = list((root / "b" / "checkpoints").iterdir())
     assert leftovers == [], leftovers
+
+
+def test_group_checkpoints_in_the_background_commit_once_every_part_is_written(two_ranks):
+    root, results = two_ranks
+    assert results[0]["e_background"] and results[1]["e_background"]
+    for rank in (0, 1):
+        committed = dict(results[rank]["e_committed"])
+        # Asked for after batch 3, taken at its safe point, committed at a later agreement
+        # (a batch or more later: the writes run in the background meanwhile).
+        first = next(i for i, name in committed.items() if name is not None)
+        assert first >= 4 and committed[29] == committed[first]  # the second never counted
+    # Only the first checkpoint is there: the second was aborted on both ranks, no temporary
+    # directory is left behind, and the failure is in the journal.
+    assert results[0]["e_left"] == results[1]["e_left"] and len(results[0]["e_left"]) == 1
+    ckpt = root / "e" / "checkpoints" / results[0]["e_left"][0]
+    assert {p.name for p in ckpt.iterdir()} == {"state.pt", "rank-00001.pt", "MANIFEST.json"}
+    events = [json.loads(line) for line in (root / "e" / "events.jsonl").read_text().splitlines()]
+    saved = [e for e in events if e["event"] == "checkpoint"]
+    assert len(saved) == 1 and saved[0]["background"] and saved[0]["step"] == 4
+    assert [e["reason"] for e in events if e["event"] == "checkpoint-failed"] == ["second"]
 
 
 def test_a_stop_on_one_rank_stops_both_after_one_checkpoint(two_ranks):

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -146,6 +147,9 @@ def test_an_arena_reserved_ahead_is_the_one_the_first_checkpoint_copies_into(
         optimizer.zero_grad()
         if step == 2:
             break
+    deadline = time.monotonic() + 30  # made on its own thread while training goes on
+    while not saver.reserved and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert saver.reserved and saver.arena.allocations == 1  # before any checkpoint
     reserved = saver.arena.capacity
     weights = sum(p.numel() * p.element_size() for p in model.parameters())

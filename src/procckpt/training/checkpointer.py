@@ -25,15 +25,14 @@ from ..log import setup_logging
 from ..protocol import control as ctl
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
-from .io.background import BackgroundSaver, async_wanted
 from .io.mapped import private_copy
 from .context import DEFAULT_DIR, LaunchContext, default_dir
-from .payload import (PAYLOAD, Stateful, build_payload, checkpoint_meta, collect_statefuls,
+from .payload import (Stateful, build_payload, checkpoint_meta, collect_statefuls,
                       load_statefuls)
 from .member import CheckpointerAsMember
 from .progress import Progress
 from .resume import announce_resume, load_newest_verified, single_process_view
-from .saving import Saves
+from .saving import Saves, background_savers
 from .triggers import SaveTriggers
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -69,8 +68,8 @@ class Checkpointer:
         async_save: write checkpoints taken at safe points in the background: training
             stalls only while the state is copied into host memory, and the checkpoint counts
             once it is durable. Default: on, unless ``$PROCCKPT_ASYNC=0``. A stop request,
-            the end of training and :meth:`save` always write synchronously, and so does a
-            process group (its ranks commit one checkpoint together).
+            the end of training and :meth:`save` write synchronously. In a process group each
+            rank writes its part so (not ``Sharded`` state, which DCP writes synchronously).
 
     In a process group (torchrun, srun) create it on every rank after
     ``init_process_group()``: the ranks agree on each checkpoint, rank 0 writes the
@@ -131,10 +130,10 @@ class Checkpointer:
             self._in_batch = False
             #: Set when procckpt itself ends the process (a planned stop, a storage failure).
             self._exiting = False
-            in_background = self.is_writer and self._dist is None and async_wanted(async_save)
-            self._background = BackgroundSaver(self.store, PAYLOAD) if in_background else None
+            self._background, group_writes = background_savers(
+                self.store, self._dist, self.is_writer, self._statefuls, async_save)
             self._saves = Saves(self.store, self._background, self._triggers,
-                                is_writer=self.is_writer)
+                                is_writer=self.is_writer, group=group_writes)
 
             if self.is_writer:
                 self.store.open()
@@ -302,12 +301,15 @@ class Checkpointer:
             raise logged_exit(e, logger) from e.__cause__
 
     def flush(self) -> None:
-        """Wait until the checkpoint being written in the background, if any, is durable.
+        """Wait until the checkpoint being written in the background, if any, is durable
+        (in a process group: committed; call it on every rank then).
 
         Raises:
             BackgroundWriteError: that write failed (the previous checkpoint is intact).
         """
-        if self._background is not None:
+        if self._dist is not None:
+            self._dist.settle(self._member)
+        elif self._background is not None:
             self._background.wait()
 
     def close(self) -> None:
@@ -387,16 +389,13 @@ class Checkpointer:
     def _safe_point(self, epoch_end: bool = False) -> None:
         triggers = self._triggers
         now = time.monotonic()
-        if self._background is not None and self._background.unreserved:
-            # After the first step the state has its final shapes (optimizers make theirs
-            # lazily): size the arena now, in the background, not at the first checkpoint.
-            self._background.reserve(self._payload())
+        self._saves.reserve_ahead(self._payload, self._member)  # once, after the first step
         triggers.poll(now)
         triggers.beat(now, self.step)
         flags = triggers.wanted(now, epoch_end, self.epoch)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
-            agreed = self._dist.agree(self._member, flags or dist_.Flags(), epoch_end)
+            agreed = self._dist.agree(self._member, flags, epoch_end)
             if agreed is None:
                 return
             triggers.adopt(agreed)
@@ -407,10 +406,9 @@ class Checkpointer:
         if reason is None:
             return
         triggers.best_pending = False
-        if (self._background is not None and triggers.stop_reason is None
-                and self._saves.write_in_background(self._meta(reason), self._payload, reason,
-                                                    self._progress.position)):
-            return  # acknowledged by the writer thread once durable
+        if triggers.stop_reason is None and self._saves.in_background(
+                reason, self._progress.position, self._meta, self._payload, self._member):
+            return  # acknowledged once durable (a group's once every rank's part is)
         try:
             info = self._save(reason)
         except StorageError as e:
@@ -441,6 +439,8 @@ class Checkpointer:
         if self._finished:
             return
         self._finished = True
+        if self._dist is not None:
+            self._dist.settle(self._member)  # collective: every rank ends here
         self._saves.wait()  # the checkpoint being written is the one to compare
         info = self._saves.last
         if self._saves.saved_at != self._progress.position or info is None:

@@ -42,6 +42,16 @@ class CheckpointerAsMember:
         ck = self._ck
         ck._saves.taken(info, reason, ck._progress.position, ck.restart, seconds)
 
+    def record_background(self, info: CheckpointInfo, request: Any, reason: str,
+                          position: tuple[int, int, int], seconds: float, stall: float) -> None:
+        ck = self._ck
+        ck._saves.record(info, reason, position, ck.restart, seconds, stall=stall)
+        ck._triggers.acknowledge(request, info, position[2], stopping=False)
+
+    def record_failed(self, request: Any, position: tuple[int, int, int], reason: str,
+                      error: str) -> None:
+        self._ck._saves.failed(request, position, reason, error)
+
     def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return self._ck._load_latest()
 

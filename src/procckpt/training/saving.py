@@ -15,17 +15,35 @@ from typing import Any
 
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore
+from .distributed import DistributedCoordinator, GroupWrites, sharded_of
 from .io.arena import NotSnapshottable
-from .io.background import BackgroundSaver, WriteResult
+from .io.background import BackgroundSaver, WriteResult, async_wanted
 from .io.writer import write_checkpoint
 from .payload import PAYLOAD
 from .triggers import SaveTriggers
 
-__all__ = ["Saves"]
+__all__ = ["Saves", "background_savers"]
 
 logger = logging.getLogger(__name__)
 
 Position = tuple[int, int, int]
+
+
+def background_savers(store: CheckpointStore, group: DistributedCoordinator | None,
+                      is_writer: bool, statefuls: dict[str, Any], async_save: bool | None,
+                      ) -> tuple[BackgroundSaver | None, GroupWrites | None]:
+    """What writes this process's checkpoints in the background, if anything does: a saver
+    for the one process that writes, or a saver and the group's side for every rank of a
+    group (not for ``Sharded`` state, which DCP writes synchronously)."""
+    if not async_wanted(async_save):
+        return None, None
+    if group is None:
+        return (BackgroundSaver(store, PAYLOAD) if is_writer else None), None
+    if sharded_of(statefuls):
+        return None, None
+    background = BackgroundSaver(store, PAYLOAD)
+    group.writes = GroupWrites(group, background)
+    return background, group.writes
 
 
 class Saves:
@@ -37,9 +55,11 @@ class Saves:
     """
 
     def __init__(self, store: CheckpointStore, background: BackgroundSaver | None,
-                 triggers: SaveTriggers, *, is_writer: bool) -> None:
+                 triggers: SaveTriggers, *, is_writer: bool,
+                 group: GroupWrites | None = None) -> None:
         self.store = store
         self.background = background
+        self.group = group
         self.triggers = triggers
         self.is_writer = is_writer
         #: The newest durable checkpoint.
@@ -104,6 +124,45 @@ class Saves:
         logger.debug("state copied for checkpoint in %.3fs (%.1f MB, %d tensors)", stall,
                      snapshot.nbytes / 1e6, snapshot.tensors)
         return True
+
+    def reserve_ahead(self, payload: Callable[[], dict[str, Any]], member: Any) -> None:
+        """Once: make the host arena for this process's part, in the background (see
+        :meth:`BackgroundSaver.reserve`). Called after the first step, when the state has its
+        final shapes (optimizers make theirs lazily)."""
+        if self.background is not None and self.background.unreserved:
+            self.background.reserve(self.group.payload(member) if self.group else payload())
+
+    def in_background(self, reason: str, position: Position,
+                      meta: Callable[[str], dict[str, Any]],
+                      payload: Callable[[], dict[str, Any]], member: Any) -> bool:
+        """Write this checkpoint in the background where this process does that (collective
+        in a group); False: write it synchronously instead."""
+        if self.group is not None:
+            return self.write_group_part(self.group, member, reason, position)
+        if self.background is None:
+            return False
+        return self.write_in_background(meta(reason), payload, reason, position)
+
+    def write_group_part(self, group: GroupWrites, member: Any, reason: str,
+                         position: Position) -> bool:
+        """Collective: this rank's part of a group checkpoint, written in the background;
+        False (on every rank) when it must be written synchronously instead."""
+        request = self.triggers.request
+        if not group.start(member, reason, position, request):
+            return False
+        self.triggers.take_request()  # answered when the group commits
+        self.triggers.last_save = time.monotonic()
+        self.saved_at = position
+        return True
+
+    def failed(self, request: Any, position: Position, reason: str, error: str) -> None:
+        """A checkpoint of ``position`` written in the background was not committed."""
+        if self.saved_at == position:
+            self.saved_at = None  # so that the end of training saves again
+        if self.is_writer:
+            append_event(self.store.events_path, "checkpoint-failed", step=position[2],
+                         reason=reason, error=error)
+        self.triggers.acknowledge(request, None, position[2], stopping=False, error=error)
 
     def record(self, info: CheckpointInfo, reason: str, position: Position, restart: int,
                seconds: float, stall: float | None = None) -> None:

@@ -37,6 +37,8 @@ class Flags:
     best: bool = False
     epoch: bool = False
     seq: int = 0  # the newest launcher request this rank has seen
+    writing: bool = False  # its part of a background group checkpoint is still being written
+    failed: bool = False  # writing its part failed
 
     def reason(self) -> str | None:
         for name in ("stop", "checkpoint", "interval", "best", "epoch"):
@@ -78,7 +80,8 @@ class RankAgreement:
             self._per_step = (now - last_time) / (step - last_step)
         per_step = self._per_step
         t = torch.tensor([flags.stop, flags.checkpoint, flags.interval, flags.best, flags.epoch,
-                          flags.seq, per_step], dtype=torch.float64, device=self.device)
+                          flags.seq, per_step, flags.writing, flags.failed],
+                         dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         v = t.tolist()
         self.agreements += 1
@@ -92,7 +95,7 @@ class RankAgreement:
         if self._last is None or step > self._last[0]:
             self._last = (step, self._clock())
         return Flags(stop=v[0] > 0, checkpoint=v[1] > 0, interval=v[2] > 0, best=v[3] > 0,
-                     epoch=v[4] > 0, seq=int(v[5]))
+                     epoch=v[4] > 0, seq=int(v[5]), writing=v[7] > 0, failed=v[8] > 0)
 
 
 def device_for_group(group: Any = None) -> torch.device:

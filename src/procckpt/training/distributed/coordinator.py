@@ -54,7 +54,8 @@ from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_d
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .sharded import load_sharded, sharded_of
 
-__all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for"]
+__all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
+           "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +93,15 @@ class GroupMember(Protocol):
     def record_save(self, info: CheckpointInfo, reason: str, seconds: float) -> None:
         """Book-keeping once the group's checkpoint is committed."""
 
+    def record_background(self, info: CheckpointInfo, request: Any, reason: str,
+                          position: tuple[int, int, int], seconds: float, stall: float) -> None:
+        """Book-keeping (and the launcher's answer) once a background group checkpoint of
+        ``position`` is committed."""
+
+    def record_failed(self, request: Any, position: tuple[int, int, int], reason: str,
+                      error: str) -> None:
+        """A background group checkpoint was not committed: answer and forget it."""
+
     def load_newest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         """One process's verified load of the newest checkpoint (the rank-0 path)."""
 
@@ -116,9 +126,12 @@ class DistributedCoordinator:
         self.device = device_for_group(group)
         self.agreement = RankAgreement(self.device, sync_every, group)
         self.allow_reshard = allow_reshard
+        #: The background side of this rank's group checkpoints (group_writes.GroupWrites),
+        #: when checkpoints are written in the background.
+        self.writes: Any = None
 
     # small collectives ---------------------------------------------------------------------
-    def _broadcast_text(self, text: str | None) -> str:
+    def broadcast_text(self, text: str | None) -> str:
         """Rank 0's ``text`` on every rank."""
         buf = torch.zeros(_PATH_BYTES, dtype=torch.uint8, device=self.device)
         if self.rank == 0:
@@ -132,7 +145,7 @@ class DistributedCoordinator:
     def _src(self) -> int:
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
-    def _any(self, flag: bool) -> list[int]:
+    def any_rank(self, flag: bool) -> list[int]:
         """Every rank learns which ranks raised ``flag``."""
         t = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         t[self.rank] = int(flag)
@@ -140,14 +153,27 @@ class DistributedCoordinator:
         return [r for r, v in enumerate(t.tolist()) if v]
 
     # agreement ------------------------------------------------------------------------------
-    def agree(self, ck: GroupMember, local: Flags, epoch_end: bool) -> Flags | None:
-        """The group's decision at this safe point, or None when it is not an agreement step."""
+    def agree(self, ck: GroupMember, local: Flags | None, epoch_end: bool) -> Flags | None:
+        """The group's decision at this safe point, or None when it is not an agreement step.
+        A background checkpoint in flight is committed here once every rank wrote its part."""
         if not self.agreement.due(ck.step, epoch_end):
             return None
-        return self.agreement.reduce(local, ck.step)
+        local = local or Flags()
+        if self.writes is not None:
+            self.writes.mark(local)
+        agreed = self.agreement.reduce(local, ck.step)
+        if self.writes is not None:
+            self.writes.settle(ck, agreed)
+        return agreed
+
+    def settle(self, ck: GroupMember) -> None:
+        """Collective: wait for the background checkpoint in flight, if any, and commit it."""
+        if self.writes is not None:
+            self.writes.settle(ck, None)
 
     # save ------------------------------------------------------------------------------------
     def save(self, ck: GroupMember, reason: str) -> CheckpointInfo | None:
+        self.settle(ck)  # the one in flight first
         started = time.monotonic()
         sharded = sharded_of(ck.statefuls)
         pending: PendingCheckpoint | None = None
@@ -160,7 +186,7 @@ class DistributedCoordinator:
                 message = str(pending.path)
             except Exception as e:  # broadcast the failure instead of leaving ranks waiting
                 message = f"!{e}"
-        tmp_text = self._broadcast_text(message)
+        tmp_text = self.broadcast_text(message)
         if tmp_text.startswith("!"):
             raise ProcckptError(f"rank 0 could not start a checkpoint: {tmp_text[1:]}")
         tmp = Path(tmp_text)
@@ -181,12 +207,12 @@ class DistributedCoordinator:
                     with pending.open(ck.payload_name) as f:
                         torch.save(ck.replicated_payload(exclude=set(sharded)), f)
                 else:
-                    _write_synced(tmp / RANK_FILE.format(rank=self.rank), {
+                    write_synced(tmp / RANK_FILE.format(rank=self.rank), {
                         "format": RANK_FILE_FORMAT, "rank": self.rank,
                         "world_size": self.world_size, "step": ck.step, **ck.rank_payload()})
             except Exception as e:
                 error = str(e)
-        failed = self._any(error is not None)
+        failed = self.any_rank(error is not None)
         if failed:
             if pending is not None:
                 pending.abort()
@@ -202,18 +228,13 @@ class DistributedCoordinator:
         if self.rank == 0:
             assert pending is not None
             try:
-                for name in sorted(os.listdir(tmp)):
-                    if name not in pending.files and name != "MANIFEST.json" \
-                            and not name.startswith(".tmp-") and not name.endswith(".tmp"):
-                        pending.add_file(name)  # other ranks' files, DCP's shards
-                info_out = pending.commit()
-                ck.store.prune()
+                info_out = self.commit_group(ck, pending, tmp)
                 result = info_out.path.name
             except Exception as e:
                 pending.abort()
                 result = f"!{e}"
         # Everyone waits for the commit: no rank runs (or exits) ahead of a half-made checkpoint.
-        committed = self._broadcast_text(result)
+        committed = self.broadcast_text(result)
         if committed.startswith("!"):
             raise ProcckptError(f"rank 0 could not commit the checkpoint: {committed[1:]}")
         if info_out is None:  # not rank 0: the manifest is rank 0's business
@@ -221,6 +242,18 @@ class DistributedCoordinator:
                                       int(committed.split("-")[1]), {})
         ck.record_save(info_out, reason, time.monotonic() - started)
         return info_out
+
+    def commit_group(self, ck: GroupMember, pending: PendingCheckpoint,
+                     tmp: Path) -> CheckpointInfo:
+        """Rank 0: add the other ranks' files (and DCP's shards) to ``pending``, commit it
+        and prune. The caller aborts ``pending`` if this raises."""
+        for name in sorted(os.listdir(tmp)):
+            if name not in pending.files and name != "MANIFEST.json" \
+                    and not name.startswith(".tmp-") and not name.endswith(".tmp"):
+                pending.add_file(name)  # other ranks' files, DCP's shards
+        info = pending.commit()
+        ck.store.prune()
+        return info
 
     # load -------------------------------------------------------------------------------------
     def load_latest(self, ck: GroupMember) -> tuple[CheckpointInfo, dict[str, Any]] | None:
@@ -237,7 +270,7 @@ class DistributedCoordinator:
                 if loaded is not None:
                     info, payload = loaded
                     choice = info.path.name
-        choice = self._broadcast_text(choice)
+        choice = self.broadcast_text(choice)
         if choice.startswith("!"):
             raise CheckpointCorruptError(choice[1:])
         if not choice:
@@ -257,7 +290,7 @@ class DistributedCoordinator:
             payload = self._adapt(ck, info, payload)
         except Exception as e:
             error = e
-        failed = self._any(error is not None)
+        failed = self.any_rank(error is not None)
         if isinstance(error, ProcckptError):
             raise error
         if error is not None:
@@ -330,7 +363,7 @@ def rescale_position(payload: dict[str, Any], saved: int, now: int,
     return {**payload, "progress": progress}
 
 
-def _write_synced(path: Path, obj: Any) -> None:
+def write_synced(path: Path, obj: Any) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     with open(path, "wb") as f:

@@ -163,6 +163,28 @@ class BackgroundSaver:
         self._thread = thread
         thread.start()
 
+    def start_task(self, snapshot: Snapshot, write: Callable[[Any], None],
+                   on_done: Callable[[], None],
+                   on_failed: Callable[[BaseException], None]) -> None:
+        """Run ``write(copy)`` on the writer thread: a part of a checkpoint that someone else
+        commits (a rank's file in a group checkpoint). Failures go to ``on_failed`` only."""
+        assert not self.in_flight, "capture() waits for the previous write"
+
+        def run() -> None:
+            try:
+                snapshot.wait_copied()
+                write(snapshot.payload)
+            except BaseException as e:  # noqa: BLE001 - reported through on_failed
+                logger.error("writing this rank's part of a checkpoint failed: %s", e)
+                snapshot.payload = None
+                on_failed(e)
+                return
+            snapshot.payload = None  # the arena is free for the next capture
+            on_done()
+
+        self._thread = threading.Thread(target=run, name="procckpt-writer", daemon=False)
+        self._thread.start()
+
     def close(self) -> None:
         """Wait for the write in flight and give the arena's memory back."""
         try:

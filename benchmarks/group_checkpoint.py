@@ -1,0 +1,166 @@
+"""What a checkpoint costs a process group's training (issue 12's CPU target), beside DCP.
+
+Spawns 2 gloo ranks on this machine, each holding a DDP model of --size bytes of replicated
+float32 parameters. Each rank measures, in one run, interleaved:
+
+    procckpt async   the training's pause at the safe point that takes a checkpoint, with
+                     checkpoints written in the background (the default)
+    procckpt sync    the same with PROCCKPT_ASYNC=0 (the whole write is the pause)
+    dcp async_save   torch.distributed.checkpoint.async_save of the same state: until it
+                     returns (its stager copies; the write goes on in the background)
+    dcp save         torch.distributed.checkpoint.save (synchronous)
+
+plus the first async checkpoint (host memory made ahead, after the first step). The pause is
+the slowest rank's (a group waits for it). Prints medians and the target ratios: async /
+sync <= 0.1, first / steady async <= 1.5.
+
+    python benchmarks/group_checkpoint.py [--size 1GiB] [--repeats 5] [--dir .]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import shutil
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel
+
+MiB = 1 << 20
+
+
+def slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(rank: int, port: int, args: argparse.Namespace, work: str, results: mp.Queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    import torch.distributed.checkpoint as dcp
+
+    import procckpt
+    from bench import TensorState, parse_size  # benchmarks/ is on sys.path (spawned)
+
+    model = DistributedDataParallel(TensorState(parse_size(args.size)))
+    ckpts = {mode: procckpt.Checkpointer(Path(work) / mode, model=model, keep=1,
+                                         save_every=None, sync_every=1,
+                                         async_save=(mode == "async"))
+             for mode in ("async", "sync")}
+    loops = {mode: ck.batches(iter(int, 1)) for mode, ck in ckpts.items()}
+    for loop in loops.values():
+        next(loop)
+        next(loop)  # the first safe point: the async one starts making its host memory
+    saver = ckpts["async"]._background
+    while saver is not None and not saver.reserved:  # a real run trains meanwhile
+        time.sleep(0.01)
+    dist.barrier()
+
+    def procckpt_pause(mode: str) -> float:
+        ckpts[mode].request_checkpoint()
+        dist.barrier()
+        started = time.perf_counter()
+        next(loops[mode])  # the safe point of the step before takes the checkpoint
+        pause = time.perf_counter() - started
+        for _ in range(3):
+            next(loops[mode])  # later agreements commit a background one
+        ckpts[mode]._dist.settle(ckpts[mode]._member)  # durable before the next kind runs
+        return slowest(pause)
+
+    pending: list[object] = []
+
+    def dcp_pause(kind: str) -> float:
+        target = Path(work) / f"dcp-{kind}-{time.monotonic_ns()}"
+        state = {"model": model.state_dict()}
+        dist.barrier()
+        started = time.perf_counter()
+        if kind == "async":
+            pending.append(dcp.async_save(state, checkpoint_id=str(target)))
+        else:
+            dcp.save(state, checkpoint_id=str(target))
+        pause = time.perf_counter() - started
+        for future in pending:
+            future.result()  # type: ignore[attr-defined]
+        pending.clear()
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(target, ignore_errors=True)
+        return slowest(pause)
+
+    kinds = {"procckpt async": lambda: procckpt_pause("async"),
+             "procckpt sync": lambda: procckpt_pause("sync"),
+             "dcp async_save": lambda: dcp_pause("async"),
+             "dcp save": lambda: dcp_pause("sync")}
+    report: dict[str, list[float]] = {name: [] for name in kinds}
+    report["first async"] = [procckpt_pause("async")]
+    names = list(kinds)
+    for r in range(args.repeats + 1):  # the first round warms up each kind: not counted
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds = kinds[name]()
+            if r:
+                report[name].append(seconds)
+    if rank == 0:
+        results.put(report)
+    for ck in ckpts.values():
+        ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB", help="replicated state per rank [1GiB]")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", default=".", help="where to write (the disk to measure) [.]")
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results: mp.Queue = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="procckpt-group-", dir=args.dir) as work:
+        port = free_port()
+        procs = [ctx.Process(target=worker, args=(r, port, args, work, results))
+                 for r in (0, 1)]
+        for p in procs:
+            p.start()
+        while True:
+            try:
+                report = results.get(timeout=5)
+                break
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise SystemExit("a rank failed (see above)") from None
+        for p in procs:
+            p.join(timeout=120)
+    med = {name: statistics.median(xs) for name, xs in report.items()}
+    print(f"2 gloo ranks, DDP, {args.size} replicated; pause of the slowest rank per "
+          f"checkpoint, median of {args.repeats} (min):")
+    for name, xs in report.items():
+        print(f"  {name:16} {med[name]:8.3f} s  ({min(xs):.3f})")
+    print(f"  async / sync:            {med['procckpt async'] / med['procckpt sync']:.3f}"
+          "  (target <= 0.1)")
+    print(f"  first / steady async:    {med['first async'] / med['procckpt async']:.2f}"
+          "  (target <= 1.5)")
+    print(f"  async / dcp async_save:  {med['procckpt async'] / med['dcp async_save']:.3f}")
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()

@@ -1,0 +1,177 @@
+"""Group checkpoints written in the background: each rank copies its part at the agreed step and writes it while training goes on; rank 0 commits once every part is durable.
+
+    at the agreed step (every rank)            later agreements (the usual all-reduce)
+    ---------------------------------------    ------------------------------------------
+    rank 0 opens checkpoints/.tmp-ckpt-N,  ->  each rank adds "my part is still being
+    broadcasts its path; each rank copies      written" and "my part failed" to the flags;
+    its part into its host arena (the stall)   when no rank is writing any more: rank 0
+    and its writer thread writes it there      commits (manifest, rename) and tells the
+                                               others, or aborts if any part failed
+
+Until the commit the previous checkpoint stays the one to resume from. A second checkpoint,
+a stop, ``save()`` and the end of training first settle the one in flight, waiting for it.
+State wrapped in ``Sharded`` (DCP) is not written this way: such groups save synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ...protocol import control as ctl
+from ...store import CheckpointInfo, PendingCheckpoint
+from ..io.arena import NotSnapshottable
+from ..io.background import BackgroundSaver
+from ..io.writer import save_payload
+from . import coordinator as files  # write_synced looked up when used: tests replace it
+from .agreement import Flags
+from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
+
+__all__ = ["GroupWrites"]
+
+logger = logging.getLogger(__name__)
+
+Position = tuple[int, int, int]
+
+
+@dataclass
+class _Part:
+    """This rank's part of the group checkpoint in flight."""
+
+    tmp: Path
+    reason: str
+    position: Position
+    started: float
+    stall: float
+    request: ctl.Request | None
+    pending: PendingCheckpoint | None  # rank 0 only
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+
+
+class GroupWrites:
+    """The background side of one rank's group checkpoints."""
+
+    def __init__(self, coordinator: DistributedCoordinator, background: BackgroundSaver) -> None:
+        self.coordinator = coordinator
+        self.background = background
+        self._part: _Part | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._part is not None
+
+    def mark(self, flags: Flags) -> None:
+        """Add this rank's writing state to the flags it brings to the agreement."""
+        part = self._part
+        flags.writing = part is not None and not part.done.is_set()
+        flags.failed = part is not None and part.error is not None
+
+    def payload(self, ck: GroupMember) -> dict[str, Any]:
+        """This rank's part: the replicated state (rank 0), or its own random streams."""
+        coordinator = self.coordinator
+        if coordinator.rank == 0:
+            return ck.replicated_payload(exclude=set())
+        return {"format": RANK_FILE_FORMAT, "rank": coordinator.rank,
+                "world_size": coordinator.world_size, "step": ck.step, **ck.rank_payload()}
+
+    def start(self, ck: GroupMember, reason: str, position: Position,
+              request: ctl.Request | None) -> bool:
+        """Collective: copy this rank's part and write it in the background. False (on every
+        rank alike) when some rank's state cannot be copied: save synchronously instead."""
+        self.settle(ck, None)
+        coordinator = self.coordinator
+        pending: PendingCheckpoint | None = None
+        message = ""
+        if coordinator.rank == 0:
+            meta = ck.checkpoint_meta(reason)
+            meta.update(world_size=coordinator.world_size, sharded=[])
+            try:
+                pending = ck.store.begin(meta)
+                message = str(pending.path)
+            except Exception as e:  # broadcast the failure instead of leaving ranks waiting
+                message = f"!{e}"
+        text = coordinator.broadcast_text(message)
+        if text.startswith("!"):
+            logger.error("rank 0 could not start a checkpoint: %s", text[1:])
+            return False
+        tmp = Path(text)
+        started = time.monotonic()
+        payload = self.payload(ck)
+        snapshot = None
+        try:
+            snapshot = self.background.capture(payload)
+        except NotSnapshottable as e:
+            logger.info("writing this checkpoint synchronously: the state holds %s", e)
+        if coordinator.any_rank(snapshot is None):
+            if pending is not None:
+                pending.abort()
+            return False
+        assert snapshot is not None
+        part = _Part(tmp, reason, position, started, time.monotonic() - started, request, pending)
+
+        def write(copy: Any) -> None:  # on the writer thread
+            if pending is not None:
+                save_payload(pending, ck.payload_name, copy)
+            else:
+                files.write_synced(tmp / RANK_FILE.format(rank=coordinator.rank), copy)
+
+        def failed(error: BaseException) -> None:
+            part.error = str(error)
+            part.done.set()
+
+        self._part = part
+        self.background.start_task(snapshot, write, part.done.set, failed)
+        return True
+
+    def settle(self, ck: GroupMember, agreed: Flags | None) -> CheckpointInfo | None:
+        """Collective: commit (or abort) the checkpoint in flight once every part is written.
+
+        With ``agreed`` (the flags of an agreement step) it acts only when no rank is still
+        writing; without, it waits for this rank's part first. Returns the committed
+        checkpoint, if this call committed one.
+        """
+        part = self._part
+        if part is None or (agreed is not None and agreed.writing):
+            return None
+        coordinator = self.coordinator
+        if agreed is None:
+            part.done.wait()
+            failed = coordinator.any_rank(part.error is not None)
+        else:
+            failed = agreed.failed
+        self._part = None
+        result = ""
+        info: CheckpointInfo | None = None
+        if failed:
+            result = "!a rank could not write its part (see its log)"
+            if part.error:
+                logger.error("rank %d could not write its part of the checkpoint: %s",
+                             coordinator.rank, part.error)
+        if part.pending is not None:  # rank 0
+            if failed:
+                part.pending.abort()
+            else:
+                try:
+                    info = coordinator.commit_group(ck, part.pending, part.tmp)
+                    result = info.path.name
+                except Exception as e:
+                    part.pending.abort()
+                    result = f"!{e}"
+        committed = coordinator.broadcast_text(result)
+        if committed.startswith("!"):
+            logger.error("the checkpoint of step %d was not committed (%s); the previous "
+                         "checkpoint stays the one to resume from", part.position[2],
+                         committed[1:])
+            ck.record_failed(part.request, part.position, part.reason, committed[1:])
+            return None
+        if info is None:
+            info = CheckpointInfo(ck.store.ckpt_root / committed, int(committed.split("-")[1]),
+                                  {})
+        ck.record_background(info, part.request, part.reason, part.position,
+                             time.monotonic() - part.started, part.stall)
+        return info
