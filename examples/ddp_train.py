@@ -55,14 +55,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to pause per step")
-    parser.add_argument("--backend", default=None, help="gloo or nccl [nccl if CUDA works]")
+    parser.add_argument("--backend", default=None, help="gloo or nccl [nccl if every local rank "
+                        "can have a GPU of its own]")
     parser.add_argument("--out", default=None, help="each rank saves its final state to "
                         "OUT.rank<N>.pt (parameters, optimizer, a draw from its RNG)")
     args = parser.parse_args()
 
     rank, world, local_rank = procckpt.init_distributed(args.backend)  # procckpt 2/4
     device = torch.device("cpu")
-    if torch.cuda.is_available() and args.backend != "gloo":
+    # A GPU per rank where the group runs on NCCL (procckpt picks it when every local rank
+    # can have one); one process uses the GPU if there is one.
+    nccl = world > 1 and dist.get_backend() == "nccl"
+    if nccl or (world == 1 and torch.cuda.is_available() and args.backend != "gloo"):
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
 

@@ -24,6 +24,7 @@ from torch import nn
 from procckpt import Checkpointer
 from procckpt.training import distributed as pd
 from procckpt.training.distributed import coordinator, sharded
+from procckpt.training.distributed.setup import _local_world_size, default_backend
 from procckpt.errors import ProcckptError, UsageError
 
 # -- pure parts ------------------------------------------------------------------------------
@@ -315,3 +316,19 @@ def test_two_ranks_reshard_a_one_process_checkpoint_mid_epoch(two_ranks):
     # 5 batches of one process are 2 (rounded down) of each of two ranks.
     assert results[0]["d_resumed_at"] == results[1]["d_resumed_at"] == (0, 2)
     assert results[0]["d_seen"] == results[1]["d_seen"] == list(range(2, 10))
+
+
+@pytest.mark.parametrize("local_world, gpus, backend", [
+    (1, 0, "gloo"), (2, 0, "gloo"),
+    (2, 1, "gloo"),  # two ranks, one GPU: NCCL refuses two ranks on one device
+    (1, 1, "nccl"), (2, 2, "nccl"), (4, 8, "nccl"),
+])
+def test_nccl_only_when_every_local_rank_can_have_a_gpu(local_world: int, gpus: int,
+                                                        backend: str):
+    assert default_backend(local_world, gpus) == backend
+
+
+def test_ranks_per_node_come_from_torchrun_or_slurm():
+    assert _local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert _local_world_size({"SLURM_TASKS_PER_NODE": "2(x3),1"}) == 2
+    assert _local_world_size({}) == 1

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
 
-__all__ = ["init_distributed", "polls_control", "first_host", "ENV_POLL_RANKS"]
+__all__ = ["default_backend", "init_distributed", "polls_control", "first_host", "ENV_POLL_RANKS"]
 
 #: Which ranks read ``control/``: "all" (default), "local0" (one per node: less load on a
 #: shared file system), or a comma-separated list of global ranks. The agreement spreads a
@@ -45,9 +46,26 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
         return 0, 1, 0
     if world > 1 and not dist.is_initialized():
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            backend = default_backend(_local_world_size(env), gpus)
         dist.init_process_group(backend, rank=rank, world_size=world)
     return rank, world, local
+
+
+def default_backend(local_world_size: int, gpus: int) -> str:
+    """``nccl`` when every rank on this node can have a GPU of its own, else ``gloo``: NCCL
+    refuses two ranks on one device, as on a one-GPU machine running two ranks."""
+    return "nccl" if gpus >= max(1, local_world_size) else "gloo"
+
+
+def _local_world_size(env: Mapping[str, str]) -> int:
+    """How many ranks run on this node: torchrun's LOCAL_WORLD_SIZE, or srun's tasks per node
+    (``SLURM_TASKS_PER_NODE`` reads like ``2(x3),1``: this node's count is not known, the
+    largest is safe)."""
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return int(env["LOCAL_WORLD_SIZE"])
+    counts = re.findall(r"(\d+)(?:\(x\d+\))?", env.get("SLURM_TASKS_PER_NODE", ""))
+    return max((int(c) for c in counts), default=1)
 
 
 def _slurm_first_node() -> str:
