@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import statistics
 import tempfile
 import time
@@ -30,6 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+
+from ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
 
 MODELS = {
     "small MLP 32-64-8 (2.6k params), batch 16": (32, 64, 16),
@@ -109,12 +109,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -122,23 +116,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps per block")
     args = parser.parse_args()
 
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=worker, args=(r, args.ranks, free_port_once, args, tmp,
-                                                  results))
-                 for free_port_once in [free_port()] for r in range(args.ranks)]
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                report = results.get(timeout=5)
-                break
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a rank failed (see above)") from None
-        for p in procs:
-            p.join(timeout=60)
+        report = run_ranks(worker, args.ranks, args, tmp)
 
     lat = sorted(report["allreduce"])  # type: ignore[arg-type]
     print(f"gloo, {args.ranks} ranks, CPU ({os.cpu_count()} cores), torch {torch.__version__}, "

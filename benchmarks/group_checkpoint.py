@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -34,6 +32,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
+from ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
+
 MiB = 1 << 20
 
 
@@ -43,11 +43,12 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-def worker(rank: int, port: int, args: argparse.Namespace, work: str, results: mp.Queue) -> None:
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str,
+           results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
+                      WORLD_SIZE=str(world), PROCCKPT_LOG_LEVEL="WARNING")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
 
     import procckpt
@@ -118,35 +119,14 @@ def worker(rank: int, port: int, args: argparse.Namespace, work: str, results: m
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB", help="replicated state per rank [1GiB]")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=".", help="where to write (the disk to measure) [.]")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    results: mp.Queue = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="procckpt-group-", dir=args.dir) as work:
-        port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, port, args, work, results))
-                 for r in (0, 1)]
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                report = results.get(timeout=5)
-                break
-            except queue.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise SystemExit("a rank failed (see above)") from None
-        for p in procs:
-            p.join(timeout=120)
+        report = run_ranks(worker, 2, args, work)
     med = {name: statistics.median(xs) for name, xs in report.items()}
     print(f"2 gloo ranks, DDP, {args.size} replicated; pause of the slowest rank per "
           f"checkpoint, median of {args.repeats} (min):")
@@ -160,7 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()
