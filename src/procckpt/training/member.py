@@ -45,8 +45,7 @@ class CheckpointerAsMember:
     def record_background(self, info: CheckpointInfo, request: Any, reason: str,
                           position: tuple[int, int, int], seconds: float, stall: float) -> None:
         ck = self._ck
-        ck._saves.record(info, reason, position, ck.restart, seconds, stall=stall)
-        ck._triggers.acknowledge(request, info, position[2], stopping=False)
+        ck._saves.durable(info, request, reason, position, ck.restart, seconds, stall)
 
     def record_failed(self, request: Any, position: tuple[int, int, int], reason: str,
                       error: str) -> None:

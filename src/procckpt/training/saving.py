@@ -107,16 +107,12 @@ class Saves:
         restart = meta.get("restart", 0)
 
         def durable(result: WriteResult) -> None:  # runs on the writer thread
-            self.record(result.info, reason, position, restart, time.monotonic() - started,
-                        stall=stall)
-            triggers.acknowledge(request, result.info, position[2], stopping=False)
+            self.durable(result.info, request, reason, position, restart,
+                         time.monotonic() - started, stall)
             self.store.prune()  # after the ack: the launcher need not wait for deletions
 
         def failed(error: BaseException) -> None:  # runs on the writer thread
-            self.saved_at = None  # so that the end of training saves again
-            append_event(self.store.events_path, "checkpoint-failed", step=position[2],
-                         reason=reason, error=str(error))
-            triggers.acknowledge(request, None, position[2], stopping=False, error=str(error))
+            self.failed(request, position, reason, str(error))
 
         triggers.last_save = time.monotonic()
         self.saved_at = position  # before the thread starts: failed() may reset it
@@ -154,6 +150,13 @@ class Saves:
         self.triggers.last_save = time.monotonic()
         self.saved_at = position
         return True
+
+    def durable(self, info: CheckpointInfo, request: Any, reason: str, position: Position,
+                restart: int, seconds: float, stall: float) -> None:
+        """A checkpoint of ``position`` written in the background is durable (committed, in a
+        group): journal it and answer the request it was taken for."""
+        self.record(info, reason, position, restart, seconds, stall=stall)
+        self.triggers.acknowledge(request, info, position[2], stopping=False)
 
     def failed(self, request: Any, position: Position, reason: str, error: str) -> None:
         """A checkpoint of ``position`` written in the background was not committed."""

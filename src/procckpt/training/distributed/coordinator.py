@@ -176,20 +176,7 @@ class DistributedCoordinator:
         self.settle(ck)  # the one in flight first
         started = time.monotonic()
         sharded = sharded_of(ck.statefuls)
-        pending: PendingCheckpoint | None = None
-        message = ""
-        if self.rank == 0:
-            meta = ck.checkpoint_meta(reason)
-            meta.update(world_size=self.world_size, sharded=sorted(sharded))
-            try:
-                pending = ck.store.begin(meta)
-                message = str(pending.path)
-            except Exception as e:  # broadcast the failure instead of leaving ranks waiting
-                message = f"!{e}"
-        tmp_text = self.broadcast_text(message)
-        if tmp_text.startswith("!"):
-            raise ProcckptError(f"rank 0 could not start a checkpoint: {tmp_text[1:]}")
-        tmp = Path(tmp_text)
+        pending, tmp = self.begin_group(ck, reason, sorted(sharded))
 
         error: str | None = None
         if sharded:
@@ -242,6 +229,29 @@ class DistributedCoordinator:
                                       int(committed.split("-")[1]), {})
         ck.record_save(info_out, reason, time.monotonic() - started)
         return info_out
+
+    def begin_group(self, ck: GroupMember, reason: str,
+                    sharded: list[str]) -> tuple[PendingCheckpoint | None, Path]:
+        """Collective: rank 0 opens the checkpoint's temporary directory; every rank learns
+        its path (rank 0 also gets the pending checkpoint to commit).
+
+        Raises:
+            ProcckptError: rank 0 could not (on every rank alike).
+        """
+        pending: PendingCheckpoint | None = None
+        message = ""
+        if self.rank == 0:
+            meta = ck.checkpoint_meta(reason)
+            meta.update(world_size=self.world_size, sharded=sharded)
+            try:
+                pending = ck.store.begin(meta)
+                message = str(pending.path)
+            except Exception as e:  # broadcast the failure instead of leaving ranks waiting
+                message = f"!{e}"
+        text = self.broadcast_text(message)
+        if text.startswith("!"):
+            raise ProcckptError(f"rank 0 could not start a checkpoint: {text[1:]}")
+        return pending, Path(text)
 
     def commit_group(self, ck: GroupMember, pending: PendingCheckpoint,
                      tmp: Path) -> CheckpointInfo:

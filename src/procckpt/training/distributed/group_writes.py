@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...errors import ProcckptError
 from ...protocol import control as ctl
 from ...store import CheckpointInfo, PendingCheckpoint
 from ..io.arena import NotSnapshottable
@@ -85,21 +86,11 @@ class GroupWrites:
         rank alike) when some rank's state cannot be copied: save synchronously instead."""
         self.settle(ck, None)
         coordinator = self.coordinator
-        pending: PendingCheckpoint | None = None
-        message = ""
-        if coordinator.rank == 0:
-            meta = ck.checkpoint_meta(reason)
-            meta.update(world_size=coordinator.world_size, sharded=[])
-            try:
-                pending = ck.store.begin(meta)
-                message = str(pending.path)
-            except Exception as e:  # broadcast the failure instead of leaving ranks waiting
-                message = f"!{e}"
-        text = coordinator.broadcast_text(message)
-        if text.startswith("!"):
-            logger.error("rank 0 could not start a checkpoint: %s", text[1:])
+        try:
+            pending, tmp = coordinator.begin_group(ck, reason, sharded=[])
+        except ProcckptError as e:
+            logger.error("%s", e)
             return False
-        tmp = Path(text)
         started = time.monotonic()
         payload = self.payload(ck)
         snapshot = None

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 from dataclasses import dataclass, field
 
@@ -40,3 +43,9 @@ class Cycle:
     over: threading.Event = field(default_factory=threading.Event)
     over_at: float = 0.0
     restore_failed: str | None = None
+
+    def kill(self) -> None:
+        """SIGKILL the command's process group (a stuck restore or image); it may be gone."""
+        if self.pid:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)

@@ -284,10 +284,7 @@ class DmtcpEngine:
             if limit is not None and time.monotonic() - started > limit and cycle.pid:
                 cycle.restore_failed = f"the restore did not finish within {limit:.0f}s"
                 logger.error("dmtcp: %s; killing it", cycle.restore_failed)
-                try:
-                    os.killpg(cycle.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+                cycle.kill()
                 return
             cycle.over.wait(0.5)
 
@@ -399,11 +396,7 @@ class DmtcpEngine:
                      STALL_S)
         append_event(self.store.events_path, "image-stuck", seconds=round(waited, 3),
                      processes=cycle.coordinator.peers, wrote=job.wrote)
-        if cycle.pid:
-            try:
-                os.killpg(cycle.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        cycle.kill()
 
     def _lost(self, cycle: Cycle) -> bool:
         """Whether a sent checkpoint request seems not to have started: no image is being
