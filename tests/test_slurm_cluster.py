@@ -205,11 +205,13 @@ def test_scancel_sends_cont_then_term_to_every_process_then_kill(
     for role in ("main", "child"):
         got = signals(events, role)
         names = [name for name, _ in got]
-        # SIGCONT first (wakes a stopped job so it can handle SIGTERM), then SIGTERM; the
+        # Slurm sends SIGCONT (wakes a stopped job so it can handle SIGTERM), then SIGTERM; the
         # child gets them too although it is in its own session: proctrack/linuxproc signals
-        # the whole process tree, and proctrack/cgroup the whole cgroup.
-        assert names[:2] == ["SIGCONT", "SIGTERM"], (role, got)
-        assert got[1][1] - t_cancel < 15  # generous: the machine is shared and noisy
+        # the whole process tree, and proctrack/cgroup the whole cgroup. The order the handlers
+        # run in is not the order sent: when both are pending before the process is scheduled,
+        # Linux runs the lower-numbered one (SIGTERM, 15) first (seen in CI), so check both.
+        assert sorted(names[:2]) == ["SIGCONT", "SIGTERM"], (role, got)
+        assert max(t for _, t in got[:2]) - t_cancel < 15  # generous: the machine is shared and noisy
     # Both ignore SIGTERM: SIGKILL follows after KillWait.
     for role, pid in pids.items():
         assert pid_gone(pid, slurm_cluster.kill_wait + 20), f"{role} {pid} survived scancel"
