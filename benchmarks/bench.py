@@ -4,7 +4,8 @@ One run prints, side by side for each state size (64 MiB and 1 GiB; 4 GiB when m
 allows), medians over repeats:
 
 1. the training stall per checkpoint: procckpt async, procckpt sync, plain torch.save+fsync;
-2. request -> durable checkpoint, as a ratio to a raw write+fsync of the same random bytes;
+2. request -> durable checkpoint, async and a stop's (synchronous) one, as a ratio to a raw
+   write+fsync of the same random bytes;
 3. restore (verify + load + load_state_dict) as a ratio to a raw read of the same bytes,
    both from a cold page cache (``posix_fadvise(DONTNEED)`` on the files);
 4. extra host memory during a checkpoint and a restore, as a fraction of the state size;
@@ -55,7 +56,8 @@ MiB = 1 << 20
 GiB = 1 << 30
 #: Targets from the issue; the report marks each measured ratio against them.
 TARGETS = {"stall": 0.05, "durable": 1.10, "restore": 1.2, "step": 0.005,
-           "idle_cpu": 0.002, "idle_rss": 40e6, "memory": 1.0, "first": 1.5}
+           "idle_cpu": 0.002, "idle_rss": 40e6, "memory": 1.0, "first": 1.5,
+           "stop": 1.15}
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -229,6 +231,7 @@ class SizeResult:
     stall_torch: list[float] = field(default_factory=list)
     first_async_stall: float = float("nan")
     durable_async: list[float] = field(default_factory=list)
+    durable_sync: list[float] = field(default_factory=list)
     raw_write: list[float] = field(default_factory=list)
     restore: list[float] = field(default_factory=list)
     raw_read: list[float] = field(default_factory=list)
@@ -278,7 +281,8 @@ def bench_size(size: int, repeats: int, work: Path, log: Callable[[str], None]) 
         "raw": lambda: res.raw_write.append(raw_write(model.views, raw_path)),
         "torch": lambda: res.stall_torch.append(
             plain_torch_save({"model": model.state_dict()}, torch_path)),
-        "sync": lambda: res.stall_sync.append(step_with_checkpoint("sync")[0]),
+        "sync": lambda: _append_pair(res.stall_sync, res.durable_sync,
+                                     step_with_checkpoint("sync")),
         "async": lambda: _append_pair(res.stall_async, res.durable_async,
                                       step_with_checkpoint("async")),
     }
@@ -671,6 +675,9 @@ def report(sizes: list[SizeResult], gil: dict[str, float] | None,
     timed("raw write + fsync of the same bytes", [s.raw_write for s in sizes])
     ratio_rows([s.durable_async for s in sizes], [s.raw_write for s in sizes],
                TARGETS["durable"])
+    timed("procckpt sync (a stop's checkpoint)", [s.durable_sync for s in sizes])
+    ratio_rows([s.durable_sync for s in sizes], [s.raw_write for s in sizes],
+               TARGETS["stop"])
 
     header("Restore from a cold page cache, s: median (min)")
     timed("procckpt (verify, load, load_state_dict)", [s.restore for s in sizes])

@@ -11,8 +11,11 @@ float32 parameters. Each rank measures, in one run, interleaved:
     dcp save         torch.distributed.checkpoint.save (synchronous)
 
 plus the first async checkpoint (host memory made ahead, after the first step). The pause is
-the slowest rank's (a group waits for it). Prints medians and the target ratios: async /
-sync <= 0.1, first / steady async <= 1.5.
+the slowest rank's (a group waits for it). Also, for the stop checkpoint (a synchronous one,
+which is what a stop or a deadline takes): request -> durable as the journal records it,
+against a raw write + fsync of the same bytes by rank 0 (which writes the replicated state).
+Prints medians and the target ratios: async / sync <= 0.1, first / steady async <= 1.5,
+stop durable / raw write <= 1.15.
 
     python benchmarks/group_checkpoint.py [--size 1GiB] [--repeats 5] [--dir .]
 """
@@ -52,9 +55,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
     import torch.distributed.checkpoint as dcp
 
     import procckpt
-    from bench import TensorState, parse_size  # benchmarks/ is on sys.path (spawned)
+    from bench import TensorState, parse_size, raw_write  # benchmarks/ is on sys.path
+    from procckpt.protocol.events import read_events
 
-    model = DistributedDataParallel(TensorState(parse_size(args.size)))
+    state = TensorState(parse_size(args.size))
+    model = DistributedDataParallel(state)
     ckpts = {mode: procckpt.Checkpointer(Path(work) / mode, model=model, keep=1,
                                          save_every=None, sync_every=1,
                                          async_save=(mode == "async"))
@@ -79,6 +84,20 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
         ckpts[mode]._dist.settle(ckpts[mode]._member)  # durable before the next kind runs
         return slowest(pause)
 
+    def stop_durable() -> float:
+        """Request -> durable of a synchronous group checkpoint, as its journal line says
+        (the agreement, every rank's part, rank 0's commit; not the pruning after it)."""
+        procckpt_pause("sync")
+        if rank:
+            return 0.0
+        events = read_events(ckpts["sync"].store.events_path)
+        return float([e for e in events if e["event"] == "checkpoint"][-1]["seconds"])
+
+    def raw() -> float:
+        seconds = raw_write(state.views, Path(work) / "raw.bin") if rank == 0 else 0.0
+        dist.barrier()
+        return slowest(seconds)
+
     pending: list[object] = []
 
     def dcp_pause(kind: str) -> float:
@@ -102,7 +121,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
     kinds = {"procckpt async": lambda: procckpt_pause("async"),
              "procckpt sync": lambda: procckpt_pause("sync"),
              "dcp async_save": lambda: dcp_pause("async"),
-             "dcp save": lambda: dcp_pause("sync")}
+             "dcp save": lambda: dcp_pause("sync"),
+             "stop durable": stop_durable,
+             "raw write": raw}
     report: dict[str, list[float]] = {name: [] for name in kinds}
     report["first async"] = [procckpt_pause("async")]
     names = list(kinds)
@@ -137,6 +158,8 @@ def main() -> None:
     print(f"  first / steady async:    {med['first async'] / med['procckpt async']:.2f}"
           "  (target <= 1.5)")
     print(f"  async / dcp async_save:  {med['procckpt async'] / med['dcp async_save']:.3f}")
+    print(f"  stop durable / raw write: {med['stop durable'] / med['raw write']:.2f}"
+          "  (target <= 1.15)")
 
 
 if __name__ == "__main__":

@@ -186,6 +186,32 @@ def test_cuda_state_is_copied_into_page_locked_memory() -> None:
     assert not torch.equal(snap.payload["w"], state["w"].cpu())
 
 
+def test_a_waited_checkpoint_of_host_state_is_written_from_the_tensors_themselves(
+        tmp_path: Path) -> None:
+    # A stop's checkpoint: the caller waits anyway, so copying host state first only costs.
+    saver = BackgroundSaver(open_store(tmp_path))
+    state = {"w": torch.randn(1000), "n": 3}
+    with saver.staged(state) as staged:
+        assert staged["w"].data_ptr() == state["w"].data_ptr()
+    assert saver.arena.allocations == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
+def test_a_stop_checkpoint_of_cuda_state_goes_through_the_page_locked_arena(
+        tmp_path: Path) -> None:
+    model = torch.nn.Linear(256, 256).cuda()
+    ckpt = Checkpointer(tmp_path, model=model, save_every=None, async_save=True)
+    with ckpt._background.staged(ckpt._payload()) as staged:  # what a stop writes
+        weight = staged["model"]["weight"]
+        assert weight.device.type == "cpu" and weight.is_pinned()
+        assert torch.equal(weight, model.weight.detach().cpu())
+    info = ckpt.save("stop")
+    saved = torch.load(info.file("state.pt"), weights_only=True)
+    assert torch.equal(saved["model"]["weight"], model.weight.detach().cpu())
+    assert ckpt._background.arena.pinned
+    ckpt.close()
+
+
 # -- background writes -----------------------------------------------------------------------
 def test_a_failed_background_write_is_reported_and_leaves_nothing(tmp_path: Path) -> None:
     store = open_store(tmp_path)

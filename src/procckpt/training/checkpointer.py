@@ -296,7 +296,7 @@ class Checkpointer:
                 uncaught, it ends the process with exit code 74 and no traceback).
         """
         try:
-            return self._save(reason)
+            return self._saves.pruned(self._save(reason))
         except ProcckptError as e:
             raise logged_exit(e, logger) from e.__cause__
 
@@ -417,7 +417,7 @@ class Checkpointer:
             self._exiting = True
             self.close()
             raise logged_exit(e, logger) from e.__cause__
-        self._triggers.answer(info, self.step, stopping=triggers.stop_reason is not None)
+        self._saves.answer(info, self.step, stopping=triggers.stop_reason is not None)
         if triggers.stop_reason is not None:
             self._exit_after_stop()
 

@@ -38,6 +38,7 @@ at epoch boundaries; the log says so).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -51,6 +52,7 @@ import torch.distributed as dist
 
 from ...errors import CheckpointCorruptError, ProcckptError, UsageError
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .sharded import load_sharded, sharded_of
 
@@ -191,8 +193,11 @@ class DistributedCoordinator:
             try:
                 if self.rank == 0:
                     assert pending is not None
-                    with pending.open(ck.payload_name) as f:
-                        torch.save(ck.replicated_payload(exclude=set(sharded)), f)
+                    payload = ck.replicated_payload(exclude=set(sharded))
+                    staged = (self.writes.background.staged(payload) if self.writes
+                              else contextlib.nullcontext(payload))
+                    with staged as state:  # the one streaming writer of every checkpoint
+                        save_payload(pending, ck.payload_name, state)
                 else:
                     write_synced(tmp / RANK_FILE.format(rank=self.rank), {
                         "format": RANK_FILE_FORMAT, "rank": self.rank,
@@ -255,15 +260,13 @@ class DistributedCoordinator:
 
     def commit_group(self, ck: GroupMember, pending: PendingCheckpoint,
                      tmp: Path) -> CheckpointInfo:
-        """Rank 0: add the other ranks' files (and DCP's shards) to ``pending``, commit it
-        and prune. The caller aborts ``pending`` if this raises."""
+        """Rank 0: add the other ranks' files (and DCP's shards) to ``pending`` and commit
+        it. The caller aborts ``pending`` if this raises."""
         for name in sorted(os.listdir(tmp)):
             if name not in pending.files and name != "MANIFEST.json" \
                     and not name.startswith(".tmp-") and not name.endswith(".tmp"):
                 pending.add_file(name)  # other ranks' files, DCP's shards
-        info = pending.commit()
-        ck.store.prune()
-        return info
+        return pending.commit()  # the caller prunes once the others know
 
     # load -------------------------------------------------------------------------------------
     def load_latest(self, ck: GroupMember) -> tuple[CheckpointInfo, dict[str, Any]] | None:

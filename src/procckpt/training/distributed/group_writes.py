@@ -165,4 +165,6 @@ class GroupWrites:
                                   {})
         ck.record_background(info, part.request, part.reason, part.position,
                              time.monotonic() - part.started, part.stall)
+        if part.pending is not None:
+            ck.store.prune()  # after the others go on: they need not wait for deletions
         return info
