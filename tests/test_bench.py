@@ -24,3 +24,20 @@ def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
         assert row in done.stdout, row
     assert "| procckpt async |" in md.read_text()
     assert [p.name for p in tmp_path.iterdir()] == ["bench.md"], "the run cleans up after itself"
+
+
+def test_the_gpu_benchmark_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
+    # Its figures need a GPU (BENCHMARKS.md); here every kind it times runs once, so that a
+    # GPU session spends its minutes measuring, not fixing the script.
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_checkpoint.py"
+    env = dict(os.environ)
+    env.pop("PROCCKPT_TOKEN", None)
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "16",
+                           "--size", "4MiB", "--hidden", "256",
+                           "--repeats", "1", "--dir", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for row in ("normal step", "ckpt step, overlap", "ckpt step, no overlap", "D2H",
+                "stop durable / raw write"):
+        assert row in done.stdout, row
+    assert list(tmp_path.iterdir()) == [], "the run cleans up after itself"

@@ -17,7 +17,9 @@ import torch
 
 from procckpt import Checkpointer
 from procckpt.training.io import mapped as io_mapped
+from procckpt.errors import UsageError
 from procckpt.training.io.arena import HostArena, NotSnapshottable
+from procckpt.training.io.fence import ENV_OVERLAP, StepFence
 from procckpt.training.io.background import (BackgroundSaver, BackgroundWriteError, WriteResult,
                                              async_wanted)
 from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
@@ -210,6 +212,63 @@ def test_a_stop_checkpoint_of_cuda_state_goes_through_the_page_locked_arena(
     assert torch.equal(saved["model"]["weight"], model.weight.detach().cpu())
     assert ckpt._background.arena.pinned
     ckpt.close()
+
+
+def test_the_step_fence_covers_the_given_optimizers_unless_switched_off(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monkeypatch.delenv(ENV_OVERLAP, raising=False)
+    assert StepFence.for_statefuls({"model": model}) is None
+    fence = StepFence.for_statefuls({"model": model, "optimizer": optimizer})
+    assert fence is not None and fence.optimizers == [optimizer]
+    assert fence.late_storages() == set()  # host tensors: nothing is copied late
+    monkeypatch.setenv(ENV_OVERLAP, "0")
+    assert StepFence.for_statefuls({"model": model, "optimizer": optimizer}) is None
+    monkeypatch.setenv(ENV_OVERLAP, "sometimes")
+    with pytest.raises(UsageError, match="PROCCKPT_OVERLAP"):
+        StepFence.for_statefuls({"optimizer": optimizer})
+
+
+def _bn_model_trained_one_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    torch.manual_seed(0)
+    # Large enough that the copy takes milliseconds: a step that did not wait for it would
+    # change parameters it had not copied yet.
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.BatchNorm1d(4096),
+                                torch.nn.Linear(4096, 4096)).cuda()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x = torch.randn(64, 4096, device="cuda")
+    model(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer, x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
+def test_a_snapshot_copied_beside_the_next_step_is_the_state_at_the_safe_point() -> None:
+    model, optimizer, x = _bn_model_trained_one_step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    expected = [t.clone() for t in _tensors(state)]  # queued before the copy: the safe point
+    fence = StepFence([optimizer])
+    snapshot = HostArena().capture(state, fence)
+    assert fence._pending  # the parameters' copy is still allowed to run
+    for _ in range(3):  # forward (BatchNorm's statistics change), backward, step
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    snapshot.wait_copied()
+    copied = list(_tensors(snapshot.payload))
+    assert len(copied) == len(expected)
+    for got, want in zip(copied, expected):
+        assert torch.equal(got, want.cpu())
+    now = [t.cpu() for t in _tensors({"model": model.state_dict()})]
+    assert not all(torch.equal(a, b) for a, b in zip(now, copied))  # training went on
+
+
+def _tensors(obj: Any) -> Any:
+    from procckpt.training.io.writer import tensors_of
+
+    return tensors_of(obj)
 
 
 # -- background writes -----------------------------------------------------------------------

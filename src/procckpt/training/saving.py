@@ -19,6 +19,7 @@ from ..store import CheckpointInfo, CheckpointStore
 from .distributed import DistributedCoordinator, GroupWrites, sharded_of
 from .io.arena import NotSnapshottable
 from .io.background import BackgroundSaver, WriteResult, async_wanted
+from .io.fence import StepFence
 from .io.writer import write_checkpoint
 from .payload import PAYLOAD
 from .triggers import SaveTriggers
@@ -38,11 +39,12 @@ def background_savers(store: CheckpointStore, group: DistributedCoordinator | No
     group (not for ``Sharded`` state, which DCP writes synchronously)."""
     if not async_wanted(async_save):
         return None, None
+    fence = StepFence.for_statefuls(statefuls)
     if group is None:
-        return (BackgroundSaver(store, PAYLOAD) if is_writer else None), None
+        return (BackgroundSaver(store, PAYLOAD, fence) if is_writer else None), None
     if sharded_of(statefuls):
         return None, None
-    background = BackgroundSaver(store, PAYLOAD)
+    background = BackgroundSaver(store, PAYLOAD, fence)
     group.writes = GroupWrites(group, background)
     return background, group.writes
 

@@ -18,9 +18,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .fence import StepFence
 
 __all__ = ["HostArena", "Snapshot", "NotSnapshottable"]
 
@@ -54,12 +57,14 @@ class Snapshot:
     tensors: int
     seconds: float
     _events: list[Any] = field(default_factory=list, repr=False)
+    _sources: list[torch.Tensor] = field(default_factory=list, repr=False)
 
     def wait_copied(self) -> None:
         """Wait for asynchronous device-to-host copies (GPU state) to land."""
         for event in self._events:
             event.synchronize()
         self._events = []
+        self._sources = []
 
 
 def _key(t: torch.Tensor) -> tuple[Any, ...]:
@@ -99,15 +104,18 @@ class HostArena:
         self._pinning = _Pinning.NONE
         self._signature: tuple[Any, ...] | None = None
         self._slots: list[torch.Tensor] = []
+        self._streams: dict[torch.device, Any] = {}  # the side stream per GPU, made once
 
     @property
     def pinned(self) -> bool:
         return self._pinning is not _Pinning.NONE
 
-    def capture(self, payload: Any) -> Snapshot:
+    def capture(self, payload: Any, fence: StepFence | None = None) -> Snapshot:
         """Copy ``payload`` (nested dicts/lists/tuples of tensors and plain values) into the
         arena and return the copy. Only CUDA copies may still be in flight on return:
-        :meth:`Snapshot.wait_copied` waits for them.
+        :meth:`Snapshot.wait_copied` waits for them. With a ``fence``, the copies of what
+        changes only in its optimizers' ``step()`` may still run while the training goes on
+        (see fence.py).
 
         Raises:
             NotSnapshottable: a tensor that cannot be copied this way; nothing was changed.
@@ -123,10 +131,13 @@ class HostArena:
             self._plan(sources, wants_pinned)
             self._signature = signature
         slots = self._slots
+        late = fence.late_storages() if fence is not None and wants_pinned else set()
+        events: list[Any] = []
         with torch.no_grad():
             if sources:
-                _copy_all(slots, sources)
-        events = _record_events(sources) if wants_pinned else []
+                events, lasts = _copy_all(slots, sources, late, self._streams)
+                if lasts and fence is not None:
+                    fence.hold(lasts)
         copies = [slots[i] for i in order]
         copies.reverse()  # popped in walk order below
         for i, src in enumerate(sources):
@@ -134,7 +145,10 @@ class HostArena:
                 slots[i].requires_grad_(src.requires_grad)
         rebuilt = self._rebuild(payload, copies)
         nbytes = sum(s.untyped_storage().nbytes() for s in slots)
-        return Snapshot(rebuilt, nbytes, len(sources), time.perf_counter() - started, events)
+        # The sources stay referenced until the copies landed: a temporary of state_dict()
+        # freed earlier could be reused by the training stream while the side stream reads it.
+        return Snapshot(rebuilt, nbytes, len(sources), time.perf_counter() - started, events,
+                        sources if events else [])
 
     def reserve(self, payload: Any) -> None:
         """Lay out (and allocate) the arena for ``payload`` without copying anything, so that
@@ -274,32 +288,77 @@ class HostArena:
         self.capacity = 0
 
 
-def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """Copy every source into its slot; this is the training's stall on a CPU-only run."""
+def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor], late: set[int],
+              streams: dict[torch.device, Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    """Copy every source into its slot; host copies are the training's stall on a CPU-only
+    run. GPU copies are queued on a side stream (see :func:`_copy_from_gpus`); returns its
+    events and the (device, event) pairs a step fence must wait for."""
     flat: list[tuple[int, int, int]] = []
     slow_dst: list[torch.Tensor] = []
     slow_src: list[torch.Tensor] = []
+    gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
     for slot, src in zip(slots, sources):
-        if (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
-                and not src.is_neg()):
+        if src.is_cuda:
+            gpu.append((slot, src))
+        elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
+              and not src.is_neg()):
             nbytes = src.numel() * src.element_size()
             if nbytes:
                 flat.append((slot.data_ptr(), src.data_ptr(), nbytes))
         else:
             slow_dst.append(slot)
             slow_src.append(src)
+    events: tuple[list[Any], list[tuple[Any, Any]]] = ([], [])
+    if gpu:
+        events = _copy_from_gpus(gpu, late, streams)
     if slow_src:
-        cuda = any(s.is_cuda for s in slow_src)
-        foreach = getattr(torch, "_foreach_copy_", None)
-        if foreach is not None:
-            # One call for all tensors: a Python loop of copy_ calls would be a visible
-            # part of the stall for a model with thousands of tensors.
-            foreach(slow_dst, slow_src, non_blocking=cuda)
-        else:
-            for slot, src in zip(slow_dst, slow_src):
-                slot.copy_(src, non_blocking=src.is_cuda)
+        _copy_list(slow_dst, slow_src, non_blocking=False)
     if flat:
         _parallel_memmove(flat)
+    return events
+
+
+def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking: bool) -> None:
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is not None:
+        # One call for all tensors: a Python loop of copy_ calls would be a visible part of
+        # the stall for a model with thousands of tensors.
+        foreach(dst, src, non_blocking=non_blocking)
+    else:
+        for d, s in zip(dst, src):
+            d.copy_(s, non_blocking=non_blocking)
+
+
+def _copy_from_gpus(pairs: list[tuple[torch.Tensor, torch.Tensor]], late: set[int],
+                    streams: dict[torch.device, Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
+    """Per GPU: on a side stream that first waits for the training stream's queued work,
+    copy what is not ``late`` (record "first"), then what is (record "last"). The training
+    stream waits for "first" at once; "last" is returned for the step fence (or waited for
+    at once too, when nothing is late). The CPU waits for neither."""
+    events: list[Any] = []
+    fenced: list[tuple[Any, Any]] = []
+    for device in sorted({src.device for _, src in pairs}, key=str):
+        early = [(d, s) for d, s in pairs if s.device == device
+                 and s.untyped_storage().data_ptr() not in late]
+        deferred = [(d, s) for d, s in pairs if s.device == device
+                    and s.untyped_storage().data_ptr() in late]
+        training = torch.cuda.current_stream(device)
+        side = streams.get(device)
+        if side is None:
+            side = streams[device] = torch.cuda.Stream(device)
+        side.wait_stream(training)  # the copies see the state at the safe point
+        with torch.cuda.stream(side):
+            for part in (early, deferred):
+                if part:
+                    _copy_list([d for d, _ in part], [s for _, s in part], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+                events.append(event)
+        first, last = events[-2], events[-1]
+        training.wait_event(first)
+        if deferred:
+            fenced.append((device, last))
+    return events, fenced
 
 
 def _copy_threads() -> int:
@@ -341,17 +400,6 @@ def _parallel_memmove(segments: list[tuple[int, int, int]]) -> None:
     run(plans[0])
     for t in threads:
         t.join()
-
-
-def _record_events(sources: list[torch.Tensor]) -> list[Any]:
-    """One CUDA event per device, recorded on the stream the copies were queued on."""
-    events = []
-    for device in sorted({s.device for s in sources if s.is_cuda}, key=str):
-        with torch.cuda.device(device):
-            event = torch.cuda.Event()
-            event.record()
-            events.append(event)
-    return events
 
 
 def _cuda_register(flat: torch.Tensor) -> bool:

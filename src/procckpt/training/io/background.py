@@ -32,6 +32,7 @@ from typing import Any
 from ...errors import ProcckptError, UsageError
 from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, NotSnapshottable, Snapshot
+from .fence import StepFence
 from .writer import lasting_errors_explained, save_payload, tensors_of
 
 __all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_wanted", "ENV_ASYNC"]
@@ -79,10 +80,13 @@ class BackgroundSaver:
     ``on_failed`` when the write raised. :meth:`wait` raises such a failure again.
     """
 
-    def __init__(self, store: CheckpointStore, name: str = "state.pt") -> None:
+    def __init__(self, store: CheckpointStore, name: str = "state.pt",
+                 fence: StepFence | None = None) -> None:
         self.store = store
         self.name = name
         self.arena = HostArena()
+        #: Lets GPU copies run beside the next forward/backward (see fence.py).
+        self.fence = fence
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._reserving: threading.Thread | None = None
@@ -151,7 +155,7 @@ class BackgroundSaver:
         self.wait(raise_failure=False)
         if self._reserving is not None:
             self._reserving.join()
-        return self.arena.capture(payload)
+        return self.arena.capture(payload, self.fence)
 
     @contextlib.contextmanager
     def staged(self, payload: Any) -> Iterator[Any]:
