@@ -171,6 +171,31 @@ def test_the_same_tensor_is_copied_once() -> None:
     assert snap.payload["x"].data_ptr() == snap.payload["z"][0].data_ptr()
 
 
+def test_forked_children_do_not_inherit_the_arena() -> None:
+    # DataLoader workers fork at every epoch: had they the arena, the next capture would copy
+    # every page it writes while they live (and page-locked pages at the fork).
+    arena = HostArena()
+    arena.capture({"w": torch.randn(1 << 20)})
+    start = arena._flat.data_ptr()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: wait until the parent has read our maps
+        os.close(write)
+        os.read(read, 1)
+        os._exit(0)
+    os.close(read)
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        ranges = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
+        assert not [r for r in ranges if r[0] <= start < r[1]]
+        own = Path("/proc/self/maps").read_text().splitlines()
+        assert any(int(line.split("-")[0], 16) <= start < int(line.split()[0].split("-")[1], 16)
+                   for line in own)  # the check itself can see a mapping
+    finally:
+        os.close(write)
+        os.waitpid(pid, 0)
+
+
 def test_a_sparse_tensor_is_not_snapshottable() -> None:
     with pytest.raises(NotSnapshottable):
         HostArena().capture({"s": torch.eye(3).to_sparse()})
