@@ -50,20 +50,30 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds to pause per step")
+    parser.add_argument("--backend", default=None, help="gloo or nccl [nccl if every local rank "
+                        "can have a GPU of its own]")
     parser.add_argument("--reshard", action="store_true",
                         help="accept a checkpoint written by another number of ranks")
     parser.add_argument("--out", default=None, help="rank 0 saves the full final model and each "
                         "rank a draw from its RNG to OUT.rank<N>.pt")
     args = parser.parse_args()
 
-    rank, world, _ = procckpt.init_distributed("gloo")
+    rank, world, local_rank = procckpt.init_distributed(args.backend)
+    device = torch.device("cpu")
+    # A GPU per rank where the group runs on NCCL (procckpt picks it when every local rank
+    # can have one); one process uses the GPU if there is one.
+    nccl = world > 1 and dist.get_backend() == "nccl"
+    if nccl or (world == 1 and torch.cuda.is_available() and args.backend != "gloo"):
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
     if not dist.is_initialized():  # one process: a group of one, so that FSDP has a mesh
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 
     torch.manual_seed(args.seed)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.2), nn.Linear(64, 64),
-                          nn.ReLU(), nn.Linear(64, 8))
+                          nn.ReLU(), nn.Linear(64, 8)).to(device)
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -85,6 +95,7 @@ def main() -> None:
         sampler.set_epoch(epoch)
         total = 0.0
         for x, y in ckpt.batches(loader):
+            x, y = x.to(device), y.to(device)
             loss = loss_fn(model(x), y)
             optimizer.zero_grad()
             loss.backward()

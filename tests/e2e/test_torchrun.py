@@ -165,6 +165,26 @@ def test_fsdp_sharded_state_through_dcp_resumes_exactly(workdir: Path):
     assert_same_run(reference, resumed)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
+def test_fsdp_on_the_gpu_through_dcp_resumes_exactly(workdir: Path):
+    # One process (a group of one, NCCL): the GPU path of the sharded state, which the
+    # two-rank test above cannot take on a machine with one GPU (NCCL wants a GPU per rank).
+    reference, resumed = workdir / "reference", workdir / "resumed"
+    done = run([PYTHON, str(FSDP), *SHAPE, "--out", str(reference)], cwd=workdir,
+               env={"PROCCKPT_DIR": str(workdir / "reference-ckpt")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt = workdir / "resumed-ckpt"
+    done = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
+                "5s", "--max-restarts", "30", "--", PYTHON, str(FSDP), *SHAPE, "--sleep", "0.5",
+                "--out", str(resumed)], cwd=workdir, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    events = list(read_events(ckpt / "events.jsonl"))
+    assert [e for e in events if e["event"] == "resume"], "the run was never interrupted"
+    for checkpoint in (ckpt / "checkpoints").glob("ckpt-*"):
+        assert {".metadata", "__0_0.distcp"} <= {p.name for p in checkpoint.iterdir()}
+    assert_same_run(reference, resumed, ranks=1)
+
+
 def test_other_world_size_is_refused_or_resharded_exactly(workdir: Path):
     ckpt = {"PROCCKPT_DIR": str(workdir / "ckpt")}
     two = run(torchrun(2, FSDP, "--epochs", "1", "--out", str(workdir / "two")), cwd=workdir,
