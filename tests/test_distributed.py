@@ -139,6 +139,7 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             torch.rand(1)  # each rank's own stream moves
             if rank == 1 and i == 4:
                 ckpt.request_checkpoint(reason="rank 1 asked")
+        ckpt.flush()  # a background checkpoint may still be in flight when the loop ends
         out["a_saved"] = (ckpt.last_checkpoint.name, ckpt._saves.saved_at)  # type: ignore[union-attr]
 
         # B: rank 1 cannot write its part: nobody commits, nothing is left behind.
@@ -180,6 +181,11 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
         out["e_committed"] = committed
         out["e_left"] = sorted(p.name for p in (Path(root) / "e" / "checkpoints").iterdir())
 
+        # F: FSDP2 (sharded) state written in the background: each rank copies its shards at
+        # the agreed step and its writer thread writes them in DCP's format while the
+        # parameters go on changing; the checkpoint holds the state of that step.
+        out.update(_sharded_in_background(rank, Path(root) / "f"))
+
         # C: a stop that only rank 1 wants stops both ranks, after one checkpoint; adaptive
         # agreement, 10 ms steps: the ranks agree every 20 steps (0.2 s).
         ckpt_c = Checkpointer(Path(root) / "c", model=nn.Linear(4, 2), save_every=0)
@@ -203,6 +209,58 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
         out["error"] = traceback.format_exc()
     results.put(out)
     dist.destroy_process_group()
+
+
+def _fsdp_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    mesh = init_device_mesh("cpu", (2,))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False)
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
+
+
+def _sharded_in_background(rank: int, root: Path) -> dict[str, Any]:
+    from procckpt import Sharded
+
+    model, optimizer = _fsdp_model()
+    ckpt = Checkpointer(root, train=Sharded(model, optimizer), sync_every=1, save_every=0,
+                        keep=5)
+    x = torch.randn(32, 8, generator=torch.Generator().manual_seed(rank))
+    at_checkpoint: dict[str, torch.Tensor] = {}
+    for i in ckpt.batches(range(20)):
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        if i == 3:
+            ckpt.request_checkpoint(reason="sharded")
+            at_checkpoint = _full(model)  # the state the safe point after this batch saves
+    ckpt.flush()
+    ckpt.close()
+    events = [json.loads(line) for line in (root / "events.jsonl").read_text().splitlines()
+              ] if rank == 0 else []
+    first = sorted((root / "checkpoints").glob("ckpt-*"))[0]
+    # A fresh model loads that checkpoint through DCP.
+    fresh, fresh_optimizer = _fsdp_model()
+    sharded.load_sharded({"train": Sharded(fresh, fresh_optimizer)}, first, ["train"],
+                         use_group=True)
+    loaded, final = _full(fresh), _full(model)  # collective: every rank, once each
+    return {"f_files": sorted(p.name for p in first.iterdir()),
+            "f_same": bool(at_checkpoint) == (rank == 0) and all(
+                torch.equal(loaded[k], at_checkpoint[k]) for k in at_checkpoint),
+            "f_moved_on": not all(torch.equal(v, final[k]) for k, v in loaded.items()),
+            "f_events": [(e.get("step"), e.get("background")) for e in events
+                         if e["event"] == "checkpoint"]}
 
 
 @pytest.fixture(scope="module")
@@ -332,3 +390,13 @@ def test_ranks_per_node_come_from_torchrun_or_slurm():
     assert _local_world_size({"LOCAL_WORLD_SIZE": "4"}) == 4
     assert _local_world_size({"SLURM_TASKS_PER_NODE": "2(x3),1"}) == 2
     assert _local_world_size({}) == 1
+
+
+def test_sharded_state_is_written_in_the_background_as_of_its_step(two_ranks):
+    root, results = two_ranks
+    # Rank 0 holds the full state (both ranks' shards, gathered); rank 1 gets none.
+    assert results[0]["f_same"], "the checkpoint is not the state of its step"
+    assert results[0]["f_moved_on"], "training did not change the parameters after it"
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00001.pt", "state.pt",
+            "MANIFEST.json"} <= set(results[0]["f_files"])
+    assert results[0]["f_events"][0] == (4, True)  # the step after the request, in background

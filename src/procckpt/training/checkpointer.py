@@ -69,7 +69,7 @@ class Checkpointer:
             stalls only while the state is copied into host memory, and the checkpoint counts
             once it is durable. Default: on, unless ``$PROCCKPT_ASYNC=0``. A stop request,
             the end of training and :meth:`save` write synchronously. In a process group each
-            rank writes its part so (not ``Sharded`` state, which DCP writes synchronously).
+            rank writes its part so, its ``Sharded`` shards too (in DCP's format).
 
     In a process group (torchrun, srun) create it on every rank after
     ``init_process_group()``: the ranks agree on each checkpoint, rank 0 writes the

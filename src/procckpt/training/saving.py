@@ -17,6 +17,7 @@ from typing import Any
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore
 from .distributed import DistributedCoordinator, GroupWrites, sharded_of
+from .distributed.shard_copies import ShardWrites
 from .io.arena import NotSnapshottable
 from .io.background import BackgroundSaver, WriteResult, async_wanted
 from .io.fence import StepFence
@@ -36,16 +37,15 @@ def background_savers(store: CheckpointStore, group: DistributedCoordinator | No
                       ) -> tuple[BackgroundSaver | None, GroupWrites | None]:
     """What writes this process's checkpoints in the background, if anything does: a saver
     for the one process that writes, or a saver and the group's side for every rank of a
-    group (not for ``Sharded`` state, which DCP writes synchronously)."""
+    group (collective then: a group with ``Sharded`` state makes a process group for DCP)."""
     if not async_wanted(async_save):
         return None, None
     fence = StepFence.for_statefuls(statefuls)
     if group is None:
         return (BackgroundSaver(store, PAYLOAD, fence) if is_writer else None), None
-    if sharded_of(statefuls):
-        return None, None
+    sharded = sharded_of(statefuls)
     background = BackgroundSaver(store, PAYLOAD, fence)
-    group.writes = GroupWrites(group, background)
+    group.writes = GroupWrites(group, background, ShardWrites(sharded) if sharded else None)
     return background, group.writes
 
 

@@ -10,7 +10,8 @@
 
 Until the commit the previous checkpoint stays the one to resume from. A second checkpoint,
 a stop, ``save()`` and the end of training first settle the one in flight, waiting for it.
-State wrapped in ``Sharded`` (DCP) is not written this way: such groups save synchronously.
+State wrapped in ``Sharded`` is copied at the agreed step too, each rank its own shards, and
+written in DCP's format by the writer threads (see shard_copies.py).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
+from .shard_copies import ShardWrites
 
 __all__ = ["GroupWrites"]
 
@@ -57,9 +59,12 @@ class _Part:
 class GroupWrites:
     """The background side of one rank's group checkpoints."""
 
-    def __init__(self, coordinator: DistributedCoordinator, background: BackgroundSaver) -> None:
+    def __init__(self, coordinator: DistributedCoordinator, background: BackgroundSaver,
+                 shards: ShardWrites | None = None) -> None:
         self.coordinator = coordinator
         self.background = background
+        #: The sharded state's side, when there is ``Sharded`` state.
+        self.shards = shards
         self._part: _Part | None = None
 
     @property
@@ -73,12 +78,24 @@ class GroupWrites:
         flags.failed = part is not None and part.error is not None
 
     def payload(self, ck: GroupMember) -> dict[str, Any]:
-        """This rank's part: the replicated state (rank 0), or its own random streams."""
+        """What this rank copies at the agreed step (see :meth:`inputs`)."""
+        return self.inputs(ck)[0]
+
+    def inputs(self, ck: GroupMember) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(what this rank copies, the live sharded state DCP plans from). The copy holds its
+        part (rank 0 the replicated state, other ranks their own random streams) and, with
+        sharded state, its local shards: ``{"part": ..., "shards": ...}``."""
         coordinator = self.coordinator
+        sharded = set(self.shards.sharded) if self.shards is not None else set()
         if coordinator.rank == 0:
-            return ck.replicated_payload(exclude=set())
-        return {"format": RANK_FILE_FORMAT, "rank": coordinator.rank,
-                "world_size": coordinator.world_size, "step": ck.step, **ck.rank_payload()}
+            part = ck.replicated_payload(exclude=sharded)
+        else:
+            part = {"format": RANK_FILE_FORMAT, "rank": coordinator.rank,
+                    "world_size": coordinator.world_size, "step": ck.step, **ck.rank_payload()}
+        if self.shards is None:
+            return part, None
+        live = self.shards.live()
+        return {"part": part, "shards": self.shards.locals_of(live)}, live
 
     def start(self, ck: GroupMember, reason: str, position: Position,
               request: ctl.Request | None) -> bool:
@@ -87,12 +104,13 @@ class GroupWrites:
         self.settle(ck, None)
         coordinator = self.coordinator
         try:
-            pending, tmp = coordinator.begin_group(ck, reason, sharded=[])
+            pending, tmp = coordinator.begin_group(
+                ck, reason, sharded=sorted(self.shards.sharded) if self.shards else [])
         except ProcckptError as e:
             logger.error("%s", e)
             return False
         started = time.monotonic()
-        payload = self.payload(ck)
+        payload, live = self.inputs(ck)
         snapshot = None
         try:
             snapshot = self.background.capture(payload)
@@ -106,6 +124,10 @@ class GroupWrites:
         part = _Part(tmp, reason, position, started, time.monotonic() - started, request, pending)
 
         def write(copy: Any) -> None:  # on the writer thread
+            if live is not None:  # first: collective with the other ranks' writer threads
+                assert self.shards is not None
+                self.shards.write(live, copy["shards"], str(tmp))
+                copy = copy["part"]
             if pending is not None:
                 save_payload(pending, ck.payload_name, copy)
             else:

@@ -75,14 +75,13 @@ class StepFence:
             self._hooked = True
         found: set[int] = set()
         for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    if p.is_cuda:
-                        found.add(p.untyped_storage().data_ptr())
-            for state in optimizer.state.values():
-                for value in state.values():
-                    if isinstance(value, torch.Tensor) and value.is_cuda:
-                        found.add(value.untyped_storage().data_ptr())
+            tensors = [p for group in optimizer.param_groups for p in group["params"]]
+            tensors += [v for state in optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]
+            for t in tensors:
+                if t.is_cuda:  # a DTensor (FSDP2) is copied as its local shard
+                    local = t.to_local() if hasattr(t, "to_local") else t
+                    found.add(local.untyped_storage().data_ptr())
         return found
 
     def hold(self, events: list[tuple[torch.device, Any]]) -> None:

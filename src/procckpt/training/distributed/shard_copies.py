@@ -1,0 +1,80 @@
+"""Sharded state written in the background, in DCP's format: DCP plans from the live state and writes the copies taken at the agreed step.
+
+A ``torch.distributed.checkpoint`` save has two halves. Planning reads only what does not
+change while training goes on: each tensor's global shape, dtype, mesh and placements, hence
+which chunk of which tensor this rank writes. Writing reads the values, which do change. So at
+the agreed step each rank copies its local shards into its host arena (beside its part of the
+replicated state); its writer thread then runs ``dcp.save`` on the live state dict with a
+planner whose ``lookup_object`` answers from those copies. The checkpoint is DCP's own format
+(``.metadata``, ``__R_0.distcp``), resharded on load as before.
+
+DCP's collectives (gathering the plans, the results, the metadata) then run on writer threads,
+beside the training's own collectives: they use a gloo group of their own, made once, so that
+the two never interleave on one group.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .sharded import Sharded
+
+__all__ = ["ShardWrites"]
+
+#: How long a writer thread waits in DCP's collectives for the other ranks (a rank that died
+#: mid-write would otherwise hold its peers' exit for gloo's default 30 minutes).
+_GROUP_TIMEOUT = timedelta(minutes=10)
+
+
+class ShardWrites:
+    """The sharded half of one rank's background group checkpoints.
+
+    Args:
+        sharded: the :class:`Sharded` statefuls, by name.
+    """
+
+    def __init__(self, sharded: dict[str, Sharded]) -> None:
+        self.sharded = sharded
+        # Collective: every rank makes its Checkpointer, hence this group, at the same point.
+        self.group = dist.new_group(backend="gloo", timeout=_GROUP_TIMEOUT)
+
+    def live(self) -> dict[str, Any]:
+        """The state dicts DCP plans from (collective where ``get_state_dict`` is)."""
+        return {name: obj.state_dict() for name, obj in self.sharded.items()}
+
+    @staticmethod
+    def locals_of(live: dict[str, Any]) -> dict[str, Any]:
+        """DCP's flattened view of ``live`` with each DTensor replaced by this rank's local
+        shard: what the arena copies (plain tensors and values)."""
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+        from torch.distributed.tensor import DTensor
+
+        flat, _ = flatten_state_dict(live)
+        return {fqn: value.to_local() if isinstance(value, DTensor) else value
+                for fqn, value in flat.items()}
+
+    def write(self, live: dict[str, Any], copies: dict[str, Any], directory: str) -> None:
+        """Collective over the writer threads: DCP's save of ``live`` into ``directory``,
+        with the values of ``copies`` (:meth:`locals_of` of ``live``, as copied)."""
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(live, checkpoint_id=directory, planner=_planner_from(copies),
+                 process_group=self.group)
+
+
+def _planner_from(copies: dict[str, Any]) -> Any:
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    class _FromCopies(DefaultSavePlanner):  # type: ignore[misc]
+        """Plans from the live state dict, writes the copies."""
+
+        def lookup_object(self, index: MetadataIndex) -> Any:
+            # A DTensor has one chunk per rank (its local shard), a plain tensor one chunk at
+            # the origin: either way the copy of that one chunk.
+            return copies[index.fqn]
+
+    return _FromCopies()
