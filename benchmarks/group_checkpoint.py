@@ -17,7 +17,10 @@ against a raw write + fsync of the same bytes by rank 0 (which writes the replic
 Prints medians and the target ratios: async / sync <= 0.1, first / steady async <= 1.5,
 stop durable / raw write <= 1.15.
 
-    python benchmarks/group_checkpoint.py [--size 1GiB] [--repeats 5] [--dir .]
+With ``--sharded`` the model is FSDP2-sharded instead (``procckpt.Sharded``): each rank holds
+and writes half of every tensor, through DCP, and the raw write is each rank's own half.
+
+    python benchmarks/group_checkpoint.py [--size 1GiB] [--repeats 5] [--dir .] [--sharded]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -53,16 +57,24 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     import procckpt
     from bench import TensorState, parse_size, raw_write  # benchmarks/ is on sys.path
     from procckpt.protocol.events import read_events
 
     state = TensorState(parse_size(args.size))
-    model = DistributedDataParallel(state)
-    ckpts = {mode: procckpt.Checkpointer(Path(work) / mode, model=model, keep=1,
-                                         save_every=None, sync_every=1,
-                                         async_save=(mode == "async"))
+    if args.sharded:  # FSDP2: each rank holds half of every tensor, saved through DCP
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = fully_shard(state, mesh=init_device_mesh("cpu", (world,)))
+        held = {"train": procckpt.Sharded(model)}
+    else:
+        model = DistributedDataParallel(state)
+        held = {"model": model}
+    ckpts = {mode: procckpt.Checkpointer(Path(work) / mode, keep=1, save_every=None,
+                                         sync_every=1, async_save=(mode == "async"), **held)
              for mode in ("async", "sync")}
     loops = {mode: ck.batches(iter(int, 1)) for mode, ck in ckpts.items()}
     for loop in loops.values():
@@ -93,8 +105,15 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
         events = read_events(ckpts["sync"].store.events_path)
         return float([e for e in events if e["event"] == "checkpoint"][-1]["seconds"])
 
+    def mine() -> Iterator[memoryview]:
+        """The bytes this rank writes: its shards, or (rank 0) the replicated state."""
+        for p in state.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            yield memoryview(local.detach().numpy()).cast("B")
+
     def raw() -> float:
-        seconds = raw_write(state.views, Path(work) / "raw.bin") if rank == 0 else 0.0
+        writes = args.sharded or rank == 0
+        seconds = raw_write(mine, Path(work) / f"raw-{rank}.bin") if writes else 0.0
         dist.barrier()
         return slowest(seconds)
 
@@ -102,7 +121,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
 
     def dcp_pause(kind: str) -> float:
         target = Path(work) / f"dcp-{kind}-{time.monotonic_ns()}"
-        state = {"model": model.state_dict()}
+        state = {"model": get_model_state_dict(model)}
         dist.barrier()
         started = time.perf_counter()
         if kind == "async":
@@ -145,11 +164,15 @@ def main() -> None:
     parser.add_argument("--size", default="1GiB", help="replicated state per rank [1GiB]")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=".", help="where to write (the disk to measure) [.]")
+    parser.add_argument("--sharded", action="store_true",
+                        help="FSDP2 instead of DDP: each rank writes its shards through DCP")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="procckpt-group-", dir=args.dir) as work:
         report = run_ranks(worker, 2, args, work)
     med = {name: statistics.median(xs) for name, xs in report.items()}
-    print(f"2 gloo ranks, DDP, {args.size} replicated; pause of the slowest rank per "
+    layout = "FSDP2, {} sharded".format(args.size) if args.sharded else \
+        f"DDP, {args.size} replicated"
+    print(f"2 gloo ranks, {layout}; pause of the slowest rank per "
           f"checkpoint, median of {args.repeats} (min):")
     for name, xs in report.items():
         print(f"  {name:16} {med[name]:8.3f} s  ({min(xs):.3f})")
