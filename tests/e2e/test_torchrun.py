@@ -151,7 +151,7 @@ def test_sigterm_to_one_worker_stops_every_rank_at_the_same_step(workdir: Path,
     again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--",
                  *torchrun(2, DDP, *SHAPE, "--out", str(out))], cwd=workdir, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert f"resumed from ckpt-00000001" in again.stderr
+    assert "resumed from ckpt-00000001" in again.stderr
     assert_same_run(ddp_reference, out)
 
 
