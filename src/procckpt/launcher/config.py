@@ -12,6 +12,7 @@ import yaml
 
 from ..durations import parse_duration
 from ..errors import UsageError
+from ..protocol.switches import TRAINING_SWITCHES
 
 __all__ = ["RunConfig", "load_config", "CONFIG_FILE", "ENGINES"]
 
@@ -199,10 +200,8 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
 def _check_training_environment(environ: Mapping[str, str]) -> None:
     """Variables the training side reads: refused here, before anything starts, rather than
     by the command after it has loaded its data."""
-    value = environ.get("PROCCKPT_ASYNC", "").strip().lower()
-    if value not in ("", "1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise UsageError(f"bad PROCCKPT_ASYNC={value!r}: expected 1 (write checkpoints in the "
-                         "background) or 0 (write them synchronously)")
+    for switch in TRAINING_SWITCHES:
+        switch.read(environ)
 
 
 def _validate(config: RunConfig) -> None:

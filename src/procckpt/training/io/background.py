@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ProcckptError, UsageError
+from ...errors import ProcckptError
+from ...protocol.switches import ASYNC
 from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .fence import StepFence
@@ -40,7 +40,7 @@ __all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_want
 logger = logging.getLogger(__name__)
 
 #: Environment switch for background checkpoint writes: "0"/"false"/"off" turns them off.
-ENV_ASYNC = "PROCCKPT_ASYNC"
+ENV_ASYNC = ASYNC.name
 
 
 def async_wanted(explicit: bool | None) -> bool:
@@ -48,13 +48,7 @@ def async_wanted(explicit: bool | None) -> bool:
     wins, then ``$PROCCKPT_ASYNC``; on by default."""
     if explicit is not None:
         return bool(explicit)
-    value = os.environ.get(ENV_ASYNC, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise UsageError(f"bad {ENV_ASYNC}={value!r}: expected 1 (write checkpoints in the "
-                     "background) or 0 (write them synchronously)")
+    return ASYNC.read()
 
 
 class BackgroundWriteError(ProcckptError):

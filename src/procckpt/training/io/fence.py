@@ -18,29 +18,22 @@ none, are copied in the first part. ``PROCCKPT_OVERLAP=0`` puts everything in th
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
 import torch
 
-from ...errors import UsageError
+from ...protocol.switches import OVERLAP
 
 __all__ = ["StepFence", "overlap_wanted", "ENV_OVERLAP"]
 
 #: Environment switch: "0" makes the training stream wait for the whole copy at the safe point.
-ENV_OVERLAP = "PROCCKPT_OVERLAP"
+ENV_OVERLAP = OVERLAP.name
 
 
 def overlap_wanted() -> bool:
     """Whether parameters and optimizer state may be copied beside the next forward/backward."""
-    value = os.environ.get(ENV_OVERLAP, "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise UsageError(f"bad {ENV_OVERLAP}={value!r}: expected 1 (copy GPU state beside the next "
-                     "forward and backward) or 0 (wait for the whole copy at the safe point)")
+    return OVERLAP.read()
 
 
 class StepFence:
