@@ -8,7 +8,6 @@ size and how long it took (and how long training paused, for a background one).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -19,7 +18,7 @@ from ..store import CheckpointInfo, CheckpointStore
 from .distributed import DistributedCoordinator, GroupWrites, sharded_of
 from .distributed.shard_copies import ShardWrites
 from .io.arena import NotSnapshottable
-from .io.background import BackgroundSaver, WriteResult, async_wanted
+from .io.background import BackgroundSaver, WriteResult, async_wanted, staged
 from .io.fence import StepFence
 from .io.writer import write_checkpoint
 from .payload import PAYLOAD
@@ -81,17 +80,10 @@ class Saves:
             # A failed background write was logged; this checkpoint supersedes it.
             self.background.wait(raise_failure=False)
         started = time.monotonic()
-        with self.staged(payload) as state:
+        with staged(self.background, payload) as state:
             info = write_checkpoint(self.store, meta, state, PAYLOAD)
         self.taken(info, reason, position, meta.get("restart", 0), time.monotonic() - started)
         return info
-
-    def staged(self, payload: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
-        """What a checkpoint the caller waits for writes: see :meth:`BackgroundSaver.staged`
-        (without a background saver, the state as it is)."""
-        if self.background is None:
-            return contextlib.nullcontext(payload)
-        return self.background.staged(payload)
 
     def answer(self, info: CheckpointInfo | None, step: int, *, stopping: bool) -> None:
         """Tell the launcher a checkpoint was taken (synchronously), then prune: deleting

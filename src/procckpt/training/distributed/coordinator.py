@@ -38,7 +38,6 @@ at epoch boundaries; the log says so).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
@@ -52,6 +51,7 @@ import torch.distributed as dist
 
 from ...errors import CheckpointCorruptError, ProcckptError, UsageError
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .sharded import load_sharded, sharded_of
@@ -194,9 +194,8 @@ class DistributedCoordinator:
                 if self.rank == 0:
                     assert pending is not None
                     payload = ck.replicated_payload(exclude=set(sharded))
-                    staged = (self.writes.background.staged(payload) if self.writes
-                              else contextlib.nullcontext(payload))
-                    with staged as state:  # the one streaming writer of every checkpoint
+                    saver = self.writes.background if self.writes else None
+                    with staged(saver, payload) as state:  # the one writer of every checkpoint
                         save_payload(pending, ck.payload_name, state)
                 else:
                     write_synced(tmp / RANK_FILE.format(rank=self.rank), {

@@ -35,7 +35,8 @@ from .arena import HostArena, NotSnapshottable, Snapshot
 from .fence import StepFence
 from .writer import lasting_errors_explained, save_payload, tensors_of
 
-__all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_wanted", "ENV_ASYNC"]
+__all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_wanted", "staged",
+           "ENV_ASYNC"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ def async_wanted(explicit: bool | None) -> bool:
     if explicit is not None:
         return bool(explicit)
     return ASYNC.read()
+
+
+def staged(saver: BackgroundSaver | None, payload: Any) -> contextlib.AbstractContextManager[Any]:
+    """What a checkpoint the caller waits for writes: see :meth:`BackgroundSaver.staged`;
+    without a background saver (hence no arena), the state as it is."""
+    return contextlib.nullcontext(payload) if saver is None else saver.staged(payload)
 
 
 class BackgroundWriteError(ProcckptError):
