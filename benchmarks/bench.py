@@ -196,6 +196,19 @@ def plain_torch_save(payload: Any, path: Path) -> float:
     return time.perf_counter() - started
 
 
+def interleaved(kinds: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Seconds per kind: ``repeats`` rounds, each running every kind once, in an order that
+    rotates by one each round, after one round that warms each kind up and is not counted."""
+    report: dict[str, list[float]] = {name: [] for name in kinds}
+    names = list(kinds)
+    for r in range(repeats + 1):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            seconds = kinds[name]()
+            if r:
+                report[name].append(seconds)
+    return report
+
+
 def machine() -> dict[str, str]:
     cpu = platform.processor() or "?"
     with contextlib.suppress(OSError):

@@ -39,7 +39,7 @@ import torch
 os.environ.setdefault("PROCCKPT_LOG_LEVEL", "WARNING")  # the figures, not a line per checkpoint
 warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single")
 
-from bench import parse_size, raw_write  # noqa: E402 - benchmarks/ is sys.path[0]
+from bench import interleaved, parse_size, raw_write  # noqa: E402 - benchmarks/ is sys.path[0]
 
 def make_model(size: int, hidden: int, device: str) -> torch.nn.Module:
     per_layer = 3 * (hidden * hidden + hidden) * 4  # parameters + Adam's two moments, float32
@@ -177,13 +177,7 @@ def main() -> None:
                 kinds["dcp async_save step"] = t.dcp_async
         except ImportError:
             pass
-        report: dict[str, list[float]] = {name: [] for name in kinds}
-        names = list(kinds)
-        for r in range(args.repeats + 1):  # the first round warms each kind up: not counted
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                seconds = kinds[name]()
-                if r:
-                    report[name].append(seconds)
+        report = interleaved(kinds, args.repeats)
         for ck in t.ckpts.values():
             ck.close()
     med = {name: statistics.median(xs) for name, xs in report.items()}

@@ -60,7 +60,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     import procckpt
-    from bench import TensorState, parse_size, raw_write  # benchmarks/ is on sys.path
+    from bench import TensorState, interleaved, parse_size, raw_write  # on sys.path
     from procckpt.protocol.events import read_events
 
     state = TensorState(parse_size(args.size))
@@ -143,14 +143,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str
              "dcp save": lambda: dcp_pause("sync"),
              "stop durable": stop_durable,
              "raw write": raw}
-    report: dict[str, list[float]] = {name: [] for name in kinds}
-    report["first async"] = [procckpt_pause("async")]
-    names = list(kinds)
-    for r in range(args.repeats + 1):  # the first round warms up each kind: not counted
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            seconds = kinds[name]()
-            if r:
-                report[name].append(seconds)
+    first = procckpt_pause("async")
+    report = interleaved(kinds, args.repeats)
+    report["first async"] = [first]
     if rank == 0:
         results.put(report)
     for ck in ckpts.values():
