@@ -47,12 +47,21 @@ def test_a_script_that_runs_a_subprocess_every_25_steps_finishes_identical(workd
 
 
 @needs_dmtcp
-def test_dataloader_workers_stop_within_two_cycles_with_the_diagnosis(workdir: Path):
+def test_dataloader_workers_finish_identical_or_stop_within_two_cycles_with_the_diagnosis(
+        workdir: Path):
+    """Most images of a script with DataLoader workers never complete; one taken while no
+    worker was alive (between epochs) does, and then the run finishes. Both are right."""
+    extra = ["--epochs", "12", "--workers", "2"]
     ckpt = workdir / "ckpt"
     started = time.monotonic()
     result = procckpt_run(workdir, ckpt, ["--time-limit", "20s", "--grace", "6s"],
-                          [*TORCH, "--epochs", "12", "--step-sleep", "0.05", "--workers", "2",
-                           "--out", str(workdir / "resumed.pt")], timeout=900)
+                          [*TORCH, "--step-sleep", "0.05", "--out", str(workdir / "resumed.pt"),
+                           *extra], timeout=900)
+    if result.returncode == 0:
+        assert steps(result.stdout) == list(range(1, 193)), result.stdout[-2000:]
+        assert [e for e in events(ckpt) if e["event"] == "resume"], "never resumed from an image"
+        assert_bit_identical(torch_reference(workdir, *extra), workdir / "resumed.pt")
+        return
     assert result.returncode == 124, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if DIAGNOSIS in line]
     assert lines and "--engine hooks" in lines[-1] and "num_workers=0" in lines[-1], \

@@ -4,7 +4,8 @@ Measured (gdb on a stuck training script): a torch script that runs a subprocess
 ``fork()`` for good under DMTCP, because NumPy's OpenBLAS joins its threads in a pre-fork
 handler while one of them waits, in DMTCP's thread-start wrapper, for the lock the forking
 thread holds. With one OpenBLAS thread the fork returns and the image restores. A program
-with DataLoader worker processes forks fine then, but its images never complete.
+with DataLoader worker processes forks fine then, but its images do not complete while a
+worker is alive (one taken between epochs, with none, does).
 """
 
 from __future__ import annotations
