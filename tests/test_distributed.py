@@ -10,6 +10,8 @@ import json
 import os
 import pickle
 import queue
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -261,6 +263,35 @@ def _sharded_in_background(rank: int, root: Path) -> dict[str, Any]:
             "f_moved_on": not all(torch.equal(v, final[k]) for k, v in loaded.items()),
             "f_events": [(e.get("step"), e.get("background")) for e in events
                          if e["event"] == "checkpoint"]}
+
+
+# A rank that exits right after a collective, as a planned stop does after the commit's
+# broadcast: gloo's thread must have let go of the tensor before the interpreter finalizes.
+_EXIT_AFTER_BROADCAST = """
+import sys
+import torch.distributed as dist
+from procckpt.training.distributed.coordinator import DistributedCoordinator
+port, rank = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, is_master=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+coordinator = DistributedCoordinator()
+for _ in range(3):
+    coordinator.broadcast_text("ckpt-00000001")
+raise SystemExit(0)
+"""
+
+
+def test_a_rank_exiting_right_after_a_collective_exits_cleanly():
+    """Without :func:`let_go` a rank died of SIGABRT ("terminate called without an active
+    exception") in 7 rounds of 10 here; four clean rounds in a row had odds below 1%."""
+    for _ in range(4):
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        ranks = [subprocess.Popen([sys.executable, "-c", _EXIT_AFTER_BROADCAST, str(store.port),
+                                   str(rank)], stderr=subprocess.PIPE, text=True)
+                 for rank in (0, 1)]
+        errors = [p.communicate(timeout=120)[1] for p in ranks]
+        assert [p.returncode for p in ranks] == [0, 0], errors
+        del store
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,16 @@ import torch.distributed as dist
 
 from ...errors import UsageError
 
-__all__ = ["Flags", "RankAgreement", "device_for_group", "ENV_SYNC_EVERY", "AGREE_SECONDS"]
+__all__ = ["Flags", "RankAgreement", "device_for_group", "let_go", "ENV_SYNC_EVERY",
+           "AGREE_SECONDS"]
 
 #: Agree every N steps instead of the adaptive default.
 ENV_SYNC_EVERY = "PROCCKPT_SYNC_EVERY"
 #: Adaptive agreement aims at one all-reduce this often (the control dir is polled as often).
 AGREE_SECONDS = 0.2
 MAX_SYNC_EVERY = 10_000
+#: How long :func:`let_go` waits at most (the backend's thread needs only the GIL).
+LET_GO_S = 2.0
 
 
 @dataclass
@@ -83,7 +86,7 @@ class RankAgreement:
                           flags.seq, per_step, flags.writing, flags.failed],
                          dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        v = t.tolist()
+        v = let_go(t).tolist()
         self.agreements += 1
         if self.every is not None:
             k = self.every
@@ -103,3 +106,24 @@ def device_for_group(group: Any = None) -> torch.device:
     if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def let_go(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (just used in a collective) once the backend's thread dropped its reference.
+
+    Gloo's worker thread lets go of a collective's tensors after the caller's wait returned,
+    and that takes the GIL. Should the process exit meanwhile (a planned stop right after the
+    commit's broadcast), the thread asks for the GIL of a finalizing interpreter, is ended
+    inside a C++ destructor, and the rank dies of SIGABRT ("terminate called without an
+    active exception"; gdb on the core of an FSDP rank: ``~AsyncBroadcastWork`` ->
+    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Waiting here, GIL released,
+    closes that window for procckpt's own collectives. CPU tensors only: NCCL's watchdog
+    keeps its works far longer, and not every step should wait for it.
+    """
+    count = getattr(tensor, "_use_count", None)
+    if count is None or tensor.device.type != "cpu" or count() <= 1:
+        return tensor
+    deadline = time.monotonic() + LET_GO_S
+    while count() > 1 and time.monotonic() < deadline:
+        time.sleep(0.0002)  # gives up the GIL, which the thread needs to drop the reference
+    return tensor

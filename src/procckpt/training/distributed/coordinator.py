@@ -53,7 +53,7 @@ from ...errors import CheckpointCorruptError, ProcckptError, UsageError
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
 from ..io.background import staged
 from ..io.writer import save_payload
-from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
+from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
 from .sharded import load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
@@ -141,7 +141,7 @@ class DistributedCoordinator:
             if data:
                 buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         dist.broadcast(buf, src=self._src(), group=self.group)
-        raw = bytes(buf.cpu().tolist())
+        raw = bytes(let_go(buf).cpu().tolist())
         return raw.split(b"\0", 1)[0].decode()
 
     def _src(self) -> int:
@@ -152,7 +152,7 @@ class DistributedCoordinator:
         t = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         t[self.rank] = int(flag)
         dist.all_reduce(t, group=self.group)
-        return [r for r, v in enumerate(t.tolist()) if v]
+        return [r for r, v in enumerate(let_go(t).tolist()) if v]
 
     # agreement ------------------------------------------------------------------------------
     def agree(self, ck: GroupMember, local: Flags | None, epoch_end: bool) -> Flags | None:
