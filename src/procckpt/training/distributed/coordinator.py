@@ -54,6 +54,7 @@ from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_d
 from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
+from .checksums import Sums, gather_sums, summing_writer
 from .sharded import load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
@@ -181,12 +182,15 @@ class DistributedCoordinator:
         pending, tmp = self.begin_group(ck, reason, sorted(sharded))
 
         error: str | None = None
+        summed: Any = None
         if sharded:
             import torch.distributed.checkpoint as dcp
 
+            writer, summed = summing_writer(tmp)
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                dcp.save(dict(sharded), checkpoint_id=str(tmp), process_group=self.group)
+                dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
+                         process_group=self.group)
             except Exception as e:
                 error = f"sharded state: {e}"
         if error is None:
@@ -214,12 +218,13 @@ class DistributedCoordinator:
                 f"the checkpoint failed on rank(s) {', '.join(map(str, failed))} (see their "
                 "logs); the previous checkpoint stays the one to resume from")
 
+        sums = gather_sums(summed.sums, self.group, self.device) if summed is not None else {}
         result = ""
         info_out: CheckpointInfo | None = None
         if self.rank == 0:
             assert pending is not None
             try:
-                info_out = self.commit_group(ck, pending, tmp)
+                info_out = self.commit_group(ck, pending, tmp, sums)
                 result = info_out.path.name
             except Exception as e:
                 pending.abort()
@@ -257,14 +262,19 @@ class DistributedCoordinator:
             raise ProcckptError(f"rank 0 could not start a checkpoint: {text[1:]}")
         return pending, Path(text)
 
-    def commit_group(self, ck: GroupMember, pending: PendingCheckpoint,
-                     tmp: Path) -> CheckpointInfo:
+    def commit_group(self, ck: GroupMember, pending: PendingCheckpoint, tmp: Path,
+                     sums: Sums | None = None) -> CheckpointInfo:
         """Rank 0: add the other ranks' files (and DCP's shards) to ``pending`` and commit
-        it. The caller aborts ``pending`` if this raises."""
+        it. ``sums``: DCP's files as summed while written (checksums.py); any other file is
+        read back. The caller aborts ``pending`` if this raises."""
         for name in sorted(os.listdir(tmp)):
             if name not in pending.files and name != "MANIFEST.json" \
                     and not name.startswith(".tmp-") and not name.endswith(".tmp"):
-                pending.add_file(name)  # other ranks' files, DCP's shards
+                summed = (sums or {}).get(name)
+                if summed is not None and os.stat(tmp / name).st_size == summed[0]:
+                    pending.record_file(name, *summed)  # written and fsynced by DCP
+                else:
+                    pending.add_file(name)  # other ranks' files; DCP's when not summed
         return pending.commit()  # the caller prunes once the others know
 
     # load -------------------------------------------------------------------------------------

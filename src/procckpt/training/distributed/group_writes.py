@@ -31,6 +31,7 @@ from ..io.background import BackgroundSaver
 from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
+from .checksums import Sums
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .shard_copies import ShardWrites
 
@@ -54,6 +55,7 @@ class _Part:
     pending: PendingCheckpoint | None  # rank 0 only
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
+    sums: Sums = field(default_factory=dict)  # DCP's files, summed as they were written
 
 
 class GroupWrites:
@@ -126,7 +128,7 @@ class GroupWrites:
         def write(copy: Any) -> None:  # on the writer thread
             if live is not None:  # first: collective with the other ranks' writer threads
                 assert self.shards is not None
-                self.shards.write(live, copy["shards"], str(tmp))
+                part.sums = self.shards.write(live, copy["shards"], str(tmp))
                 copy = copy["part"]
             if pending is not None:
                 save_payload(pending, ck.payload_name, copy)
@@ -170,7 +172,7 @@ class GroupWrites:
                 part.pending.abort()
             else:
                 try:
-                    info = coordinator.commit_group(ck, part.pending, part.tmp)
+                    info = coordinator.commit_group(ck, part.pending, part.tmp, part.sums)
                     result = info.path.name
                 except Exception as e:
                     part.pending.abort()

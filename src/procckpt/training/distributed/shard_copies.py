@@ -20,6 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .checksums import Sums, gather_sums, summing_writer
 from .sharded import Sharded
 
 __all__ = ["ShardWrites"]
@@ -56,13 +57,16 @@ class ShardWrites:
         return {fqn: value.to_local() if isinstance(value, DTensor) else value
                 for fqn, value in flat.items()}
 
-    def write(self, live: dict[str, Any], copies: dict[str, Any], directory: str) -> None:
+    def write(self, live: dict[str, Any], copies: dict[str, Any], directory: str) -> Sums:
         """Collective over the writer threads: DCP's save of ``live`` into ``directory``,
-        with the values of ``copies`` (:meth:`locals_of` of ``live``, as copied)."""
+        with the values of ``copies`` (:meth:`locals_of` of ``live``, as copied). Returns
+        the sizes and CRCs of the files every rank wrote (for rank 0's commit)."""
         import torch.distributed.checkpoint as dcp
 
-        dcp.save(live, checkpoint_id=directory, planner=_planner_from(copies),
-                 process_group=self.group)
+        writer, files = summing_writer(directory)
+        dcp.save(live, checkpoint_id=directory, storage_writer=writer,
+                 planner=_planner_from(copies), process_group=self.group)
+        return gather_sums(files.sums, self.group)
 
 
 def _planner_from(copies: dict[str, Any]) -> Any:
