@@ -86,7 +86,8 @@ class RankAgreement:
                           flags.seq, per_step, flags.writing, flags.failed],
                          dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        v = let_go(t).tolist()
+        let_go(t)
+        v = t.tolist()
         self.agreements += 1
         if self.every is not None:
             k = self.every
@@ -108,8 +109,8 @@ def device_for_group(group: Any = None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def let_go(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` (just used in a collective) once the backend's thread dropped its reference.
+def let_go(*tensors: torch.Tensor) -> None:
+    """Wait until the backend's thread let go of ``tensors``, just used in a collective.
 
     Gloo's worker thread lets go of a collective's tensors after the caller's wait returned,
     and that takes the GIL. Should the process exit meanwhile (a planned stop right after the
@@ -120,10 +121,7 @@ def let_go(tensor: torch.Tensor) -> torch.Tensor:
     closes that window for procckpt's own collectives. CPU tensors only: NCCL's watchdog
     keeps its works far longer, and not every step should wait for it.
     """
-    count = getattr(tensor, "_use_count", None)
-    if count is None or tensor.device.type != "cpu" or count() <= 1:
-        return tensor
+    held = [t for t in tensors if t.device.type == "cpu" and hasattr(t, "_use_count")]
     deadline = time.monotonic() + LET_GO_S
-    while count() > 1 and time.monotonic() < deadline:
+    while any(t._use_count() > 1 for t in held) and time.monotonic() < deadline:
         time.sleep(0.0002)  # gives up the GIL, which the thread needs to drop the reference
-    return tensor

@@ -142,7 +142,8 @@ class DistributedCoordinator:
             if data:
                 buf[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
         dist.broadcast(buf, src=self._src(), group=self.group)
-        raw = bytes(let_go(buf).cpu().tolist())
+        let_go(buf)
+        raw = bytes(buf.cpu().tolist())
         return raw.split(b"\0", 1)[0].decode()
 
     def _src(self) -> int:
@@ -153,7 +154,8 @@ class DistributedCoordinator:
         t = torch.zeros(self.world_size, dtype=torch.int32, device=self.device)
         t[self.rank] = int(flag)
         dist.all_reduce(t, group=self.group)
-        return [r for r, v in enumerate(let_go(t).tolist()) if v]
+        let_go(t)
+        return [r for r, v in enumerate(t.tolist()) if v]
 
     # agreement ------------------------------------------------------------------------------
     def agree(self, ck: GroupMember, local: Flags | None, epoch_end: bool) -> Flags | None:
@@ -267,10 +269,11 @@ class DistributedCoordinator:
         """Rank 0: add the other ranks' files (and DCP's shards) to ``pending`` and commit
         it. ``sums``: DCP's files as summed while written (checksums.py); any other file is
         read back. The caller aborts ``pending`` if this raises."""
+        sums = sums or {}
         for name in sorted(os.listdir(tmp)):
             if name not in pending.files and name != "MANIFEST.json" \
                     and not name.startswith(".tmp-") and not name.endswith(".tmp"):
-                summed = (sums or {}).get(name)
+                summed = sums.get(name)
                 if summed is not None and os.stat(tmp / name).st_size == summed[0]:
                     pending.record_file(name, *summed)  # written and fsynced by DCP
                 else:
