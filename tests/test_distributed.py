@@ -25,7 +25,7 @@ from torch import nn
 
 from procckpt import Checkpointer
 from procckpt.training import distributed as pd
-from procckpt.training.distributed import checksums, coordinator, sharded
+from procckpt.training.distributed import coordinator, dcp_files, sharded
 from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
 from procckpt.errors import ProcckptError, UsageError
@@ -126,17 +126,21 @@ def test_dcp_files_are_summed_as_dcp_writes_them_as_reading_them_back_would(tmp_
     import torch.distributed.checkpoint as dcp
 
     state = {"w": torch.randn(300, 70), "b": torch.arange(10), "note": "text"}
-    writer, files = checksums.summing_writer(tmp_path)
+    writer, files = dcp_files.dcp_writer(tmp_path)
     dcp.save(state, checkpoint_id=str(tmp_path), storage_writer=writer)
     written = {p.name for p in tmp_path.iterdir()}
     assert ".metadata" in written and set(files.sums) == written
     for name, (nbytes, crc) in files.sums.items():
         assert (crc, nbytes) == file_crc32(tmp_path / name), name
-    assert checksums.gather_sums(files.sums) == files.sums  # a group of one
+    loaded = {"w": torch.zeros(300, 70), "b": torch.zeros(10, dtype=torch.int64), "note": ""}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))  # DCP's own reader, DCP's format
+    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
+    assert loaded["note"] == "text"
+    assert dcp_files.gather_sums(files.sums) == files.sums  # a group of one
 
 
 def test_a_dcp_file_not_written_front_to_back_gets_no_sum_and_is_read_back(tmp_path: Path):
-    _, files = checksums.summing_writer(tmp_path)
+    _, files = dcp_files.dcp_writer(tmp_path)
     with files.create_stream(tmp_path / "straight", "wb") as stream:
         stream.write(b"abc")
     with files.create_stream(tmp_path / "patched", "wb") as stream:

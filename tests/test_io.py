@@ -100,6 +100,17 @@ def test_torch_zip_crc_option_is_left_as_it_was(tmp_path: Path) -> None:
     assert torch.serialization.get_crc32_options() == before
 
 
+def test_torch_zip_crc_stays_off_while_any_writer_needs_it_then_comes_back() -> None:
+    from procckpt.training.io.writer import torch_zip_crc_off
+
+    before = torch.serialization.get_crc32_options()
+    with torch_zip_crc_off():
+        with torch_zip_crc_off():  # a second writer: another thread's dcp.save, say
+            assert torch.serialization.get_crc32_options() is False
+        assert torch.serialization.get_crc32_options() is False  # the first one still writes
+    assert torch.serialization.get_crc32_options() == before
+
+
 # -- the arena -------------------------------------------------------------------------------
 def test_capture_is_a_copy_that_training_cannot_change() -> None:
     payload = make_payload(namedtuple=True)

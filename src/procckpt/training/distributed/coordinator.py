@@ -54,7 +54,7 @@ from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_d
 from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
-from .checksums import Sums, gather_sums, summing_writer
+from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
 from .sharded import load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
@@ -188,11 +188,12 @@ class DistributedCoordinator:
         if sharded:
             import torch.distributed.checkpoint as dcp
 
-            writer, summed = summing_writer(tmp)
+            writer, summed = dcp_writer(tmp)
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
-                         process_group=self.group)
+                with torch_zip_crc_off():
+                    dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
+                             process_group=self.group)
             except Exception as e:
                 error = f"sharded state: {e}"
         if error is None:
@@ -267,7 +268,7 @@ class DistributedCoordinator:
     def commit_group(self, ck: GroupMember, pending: PendingCheckpoint, tmp: Path,
                      sums: Sums | None = None) -> CheckpointInfo:
         """Rank 0: add the other ranks' files (and DCP's shards) to ``pending`` and commit
-        it. ``sums``: DCP's files as summed while written (checksums.py); any other file is
+        it. ``sums``: DCP's files as summed while written (dcp_files.py); any other file is
         read back. The caller aborts ``pending`` if this raises."""
         sums = sums or {}
         for name in sorted(os.listdir(tmp)):

@@ -31,7 +31,7 @@ from ..io.background import BackgroundSaver
 from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
-from .checksums import Sums
+from .dcp_files import Sums
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .shard_copies import ShardWrites
 

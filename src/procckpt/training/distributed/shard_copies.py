@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .checksums import Sums, gather_sums, summing_writer
+from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
 from .sharded import Sharded
 
 __all__ = ["ShardWrites"]
@@ -63,9 +63,10 @@ class ShardWrites:
         the sizes and CRCs of the files every rank wrote (for rank 0's commit)."""
         import torch.distributed.checkpoint as dcp
 
-        writer, files = summing_writer(directory)
-        dcp.save(live, checkpoint_id=directory, storage_writer=writer,
-                 planner=_planner_from(copies), process_group=self.group)
+        writer, files = dcp_writer(directory)
+        with torch_zip_crc_off():
+            dcp.save(live, checkpoint_id=directory, storage_writer=writer,
+                     planner=_planner_from(copies), process_group=self.group)
         return gather_sums(files.sums, self.group)
 
 

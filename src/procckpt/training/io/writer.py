@@ -23,7 +23,7 @@ from ...store.checksum import crc32
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
 
 __all__ = ["StreamingFileWriter", "save_payload", "write_checkpoint", "lasting_errors_explained",
-           "payload_bytes", "tensors_of", "CHUNK"]
+           "payload_bytes", "tensors_of", "torch_zip_crc_off", "CHUNK"]
 
 #: Tensor data is checksummed and written in pieces of this size: large enough that the
 #: per-piece cost (a GIL hand-over, three system calls) vanishes, small enough that the
@@ -81,6 +81,19 @@ class StreamingFileWriter:
     def flush(self) -> None:
         """Nothing to do: durability comes with :meth:`finish`."""
 
+    @property
+    def position(self) -> int:
+        """Bytes handed over so far (written, or gathered to be written)."""
+        return self.nbytes + len(self._small)
+
+    def fileno(self) -> int:
+        assert self._fd is not None
+        return self._fd
+
+    def write_gathered(self) -> None:
+        """Write what is gathered now: the file then holds every byte handed over."""
+        self._flush_small()
+
     def finish(self) -> tuple[int, int]:
         """Write what is gathered, fsync, close; return (bytes, CRC-32) of the whole file."""
         assert self._fd is not None
@@ -134,34 +147,51 @@ class StreamingFileWriter:
             time.sleep(self.pause_per_chunk)
 
 
-_torch_crc_lock = threading.Lock()
+class _ZipCrcSwitch:
+    """Who needs torch's zip CRC off right now; it is back as it was once none does."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.users = 0
+        self.before = True
+
+
+_zip_crc = _ZipCrcSwitch()
 
 
 @contextlib.contextmanager
-def _torch_zip_crc_off() -> Iterator[None]:
+def torch_zip_crc_off() -> Iterator[None]:
     """Skip the CRC-32 that torch's zip writer computes per record: the manifest already has
     one of the whole file, and a second pass over every byte would cost as much CPU as the
-    first. Zip CRCs are not checked by ``torch.load``. The option is global in torch, so a
-    ``torch.save`` that another thread runs at the same moment also skips it (harmlessly)."""
+    first (0.14 s per 512 MiB here). Zip CRCs are not checked by ``torch.load``. The option is
+    global in torch, so a ``torch.save`` that another thread runs meanwhile also skips it
+    (harmlessly). Nests, and may be held by several threads at once (a writer thread's
+    ``dcp.save`` while the training thread writes): the option is restored when the last
+    leaves. No lock is held while the caller works."""
     get = getattr(torch.serialization, "get_crc32_options", None)
     put = getattr(torch.serialization, "set_crc32_options", None)
     if get is None or put is None:  # older torch: nothing to switch off
         yield
         return
-    with _torch_crc_lock:
-        before = get()
-        put(False)
-        try:
-            yield
-        finally:
-            put(before)
+    with _zip_crc.lock:
+        if not _zip_crc.users:
+            _zip_crc.before = get()
+            put(False)
+        _zip_crc.users += 1
+    try:
+        yield
+    finally:
+        with _zip_crc.lock:
+            _zip_crc.users -= 1
+            if not _zip_crc.users:
+                put(_zip_crc.before)
 
 
 def save_payload(pending: PendingCheckpoint, name: str, payload: Any) -> StreamingFileWriter:
     """``torch.save`` ``payload`` as file ``name`` of ``pending``; record its size and CRC."""
     writer = StreamingFileWriter(pending.path / name)
     try:
-        with _torch_zip_crc_off():
+        with torch_zip_crc_off():
             torch.save(payload, writer)
         nbytes, crc = writer.finish()
     except BaseException as e:

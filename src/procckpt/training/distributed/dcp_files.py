@@ -1,0 +1,150 @@
+"""DCP's files written the way procckpt writes its own: at the disk's speed, checksummed as they go.
+
+``torch.distributed.checkpoint`` writes each rank's shards into one file per rank through a
+file system object it lets its caller replace. procckpt's replaces the plain buffered file
+with :class:`~procckpt.training.io.writer.StreamingFileWriter`, the writer of every other
+checkpoint file, so a sharded checkpoint gets what a replicated one has:
+
+- the disk starts writing back each piece while the next is produced (DCP's own file writes
+  everything, then its fsync waits for the disk), so the write ends about when the disk does;
+- each file's size and CRC-32 are known when it is closed: the ranks exchange them (a small
+  collective, JSON, no pickle) and rank 0 records them in the manifest, where it used to read
+  every file back (0.66 s of a 2.87 s stop checkpoint of 1 GiB here);
+- torch's per-record zip CRC is skipped (:func:`torch_zip_crc_off`): the manifest's covers
+  the file.
+
+The files stay DCP's format, read and resharded by DCP's own reader. A stream asked for more
+than writing front to back (a seek, say) turns into a plain file on the same descriptor and
+its file gets no sum: the commit reads that one back, as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..io.writer import StreamingFileWriter, torch_zip_crc_off
+from .agreement import let_go
+
+__all__ = ["Sums", "dcp_writer", "gather_sums", "torch_zip_crc_off"]
+
+#: File name -> (bytes, CRC-32).
+Sums = dict[str, tuple[int, int]]
+
+
+class _DcpStream:
+    """One DCP output file: a :class:`StreamingFileWriter` behind the calls DCP makes
+    (``write``, ``tell``, ``flush``, ``fileno``, ``close``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.name = str(path)
+        self._file = StreamingFileWriter(path)
+        #: A plain file on the same descriptor, once something more than writing front to
+        #: back was asked for; the file then gets no sum.
+        self._plain: Any = None
+        self.closed = False
+        #: (bytes, CRC-32) of the whole file, once closed, if it was written front to back.
+        self.sum: tuple[int, int] | None = None
+
+    def write(self, data: Any) -> int:
+        return self._plain.write(data) if self._plain else self._file.write(data)
+
+    def tell(self) -> int:
+        return self._plain.tell() if self._plain else self._file.position
+
+    def flush(self) -> None:
+        if self._plain:
+            self._plain.flush()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._plain is None:
+            self.sum = self._file.finish()  # fsynced
+            return
+        try:
+            self._plain.close()  # flushes; the descriptor stays open (closefd=False)
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.abort()  # closes the descriptor
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (or a dunder): no recursion, no fallback
+            raise AttributeError(name)
+        if self._plain is None:  # seek, truncate, writelines...: a plain file from here on
+            self._file.write_gathered()
+            self._plain = os.fdopen(self._file.fileno(), "wb", closefd=False)
+        return getattr(self._plain, name)
+
+
+def dcp_writer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
+    """(a DCP ``FileSystemWriter`` into ``path``, its file system, whose ``sums`` fill in as
+    files are closed). Every file is fsynced before DCP renames or reports it."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class _StreamedFiles(FileSystem):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.sums: Sums = {}
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            stream = _DcpStream(Path(path))
+            try:
+                yield stream
+            except BaseException:
+                stream._file.abort()
+                raise
+            stream.close()
+            if stream.sum is not None:
+                self.sums[Path(path).name] = stream.sum
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            super().rename(path, new_path)
+            entry = self.sums.pop(Path(path).name, None)
+            if entry is not None:  # DCP writes its index as .metadata.tmp, then renames it
+                self.sums[Path(new_path).name] = entry
+
+    writer = FileSystemWriter(path, sync_files=True)
+    writer.fs = files = _StreamedFiles()
+    return writer, files
+
+
+def gather_sums(sums: Sums, group: Any = None,
+                device: torch.device | None = None) -> Sums:
+    """Collective: the sums of the files every rank wrote, on every rank."""
+    device = device or torch.device("cpu")
+    data = json.dumps(sums).encode()
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    let_go(size, *sizes)
+    lengths = [int(s.item()) for s in sizes]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    texts = [torch.zeros(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(texts, mine, group=group)
+    let_go(mine, *texts)
+    merged: Sums = {}
+    for text, n in zip(texts, lengths):
+        raw = bytes(text[:n].cpu().tolist())
+        merged.update({name: (int(v[0]), int(v[1])) for name, v in json.loads(raw).items()})
+    return merged
