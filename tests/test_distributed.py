@@ -25,7 +25,7 @@ from torch import nn
 
 from procckpt import Checkpointer
 from procckpt.training import distributed as pd
-from procckpt.training.distributed import coordinator, dcp_files, sharded
+from procckpt.training.distributed import coordinator, dcp_files, dcp_plans, sharded
 from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
 from procckpt.errors import ProcckptError, UsageError
@@ -149,6 +149,46 @@ def test_a_dcp_file_not_written_front_to_back_gets_no_sum_and_is_read_back(tmp_p
         stream.write(b"x")
     assert (tmp_path / "patched").read_bytes() == b"xbc"
     assert list(files.sums) == ["straight"]
+
+
+def test_a_save_plan_is_reused_while_the_layout_stays_and_remade_when_it_changes(
+        tmp_path: Path, group_of_one):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+
+    def state(rows: int, extra: bool = False) -> dict[str, Any]:
+        out = {"w": distribute_tensor(torch.randn(rows, 4), mesh, [Shard(0)]),
+               "b": torch.randn(3), "note": f"{rows}"}
+        if extra:
+            out["extra"] = torch.randn(2)
+        return out
+
+    def saved_then_loaded(values: dict[str, Any], name: str) -> dict[str, Any]:
+        dcp.save(values, checkpoint_id=str(tmp_path / name), planner=dcp_plans.planner())
+        into = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else ""
+                for k, v in values.items()}
+        dcp.load(into, checkpoint_id=str(tmp_path / name))
+        return into
+
+    def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        return a.keys() == b.keys() and all(
+            torch.equal(a[k].full_tensor() if hasattr(a[k], "full_tensor") else a[k],
+                        b[k].full_tensor() if hasattr(b[k], "full_tensor") else b[k])
+            if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+    first = state(8)
+    assert same(saved_then_loaded(first, "1"), first)
+    plan = dcp_plans._last
+    second = state(8)  # new values, same layout: the plan is reused, the values are new
+    assert same(saved_then_loaded(second, "2"), second) and not same(second, first)
+    assert dcp_plans._last is plan
+    for changed in (state(10), state(10, extra=True)):  # a resized tensor, a new one
+        assert same(saved_then_loaded(changed, f"{len(changed)}-{changed['note']}"), changed)
+        assert dcp_plans._last is not plan
+        plan = dcp_plans._last
 
 
 # -- two ranks -------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
 from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
+from .dcp_plans import planner
 from .sharded import load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
@@ -193,7 +194,7 @@ class DistributedCoordinator:
                 # Collective; DCP itself reports a failure on every rank.
                 with torch_zip_crc_off():
                     dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
-                             process_group=self.group)
+                             planner=planner(), process_group=self.group)
             except Exception as e:
                 error = f"sharded state: {e}"
         if error is None:

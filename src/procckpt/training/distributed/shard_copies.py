@@ -5,8 +5,8 @@ change while training goes on: each tensor's global shape, dtype, mesh and place
 which chunk of which tensor this rank writes. Writing reads the values, which do change. So at
 the agreed step each rank copies its local shards into its host arena (beside its part of the
 replicated state); its writer thread then runs ``dcp.save`` on the live state dict with a
-planner whose ``lookup_object`` answers from those copies. The checkpoint is DCP's own format
-(``.metadata``, ``__R_0.distcp``), resharded on load as before.
+planner whose ``lookup_object`` answers from those copies (dcp_plans.py). The checkpoint is
+DCP's own format (``.metadata``, ``__R_0.distcp``), resharded on load as before.
 
 DCP's collectives (gathering the plans, the results, the metadata) then run on writer threads,
 beside the training's own collectives: they use a gloo group of their own, made once, so that
@@ -21,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
+from .dcp_plans import planner
 from .sharded import Sharded
 
 __all__ = ["ShardWrites"]
@@ -66,20 +67,6 @@ class ShardWrites:
         writer, files = dcp_writer(directory)
         with torch_zip_crc_off():
             dcp.save(live, checkpoint_id=directory, storage_writer=writer,
-                     planner=_planner_from(copies), process_group=self.group)
+                     planner=planner(copies), process_group=self.group)
         return gather_sums(files.sums, self.group)
 
-
-def _planner_from(copies: dict[str, Any]) -> Any:
-    from torch.distributed.checkpoint import DefaultSavePlanner
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
-    class _FromCopies(DefaultSavePlanner):  # type: ignore[misc]
-        """Plans from the live state dict, writes the copies."""
-
-        def lookup_object(self, index: MetadataIndex) -> Any:
-            # A DTensor has one chunk per rank (its local shard), a plain tensor one chunk at
-            # the origin: either way the copy of that one chunk.
-            return copies[index.fqn]
-
-    return _FromCopies()
