@@ -151,6 +151,26 @@ def test_a_dcp_file_not_written_front_to_back_gets_no_sum_and_is_read_back(tmp_p
     assert list(files.sums) == ["straight"]
 
 
+def test_a_dcp_save_failing_midway_fails_and_leaves_no_file_open(tmp_path: Path, group_of_one):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class LosesItsSecondTensor(DefaultSavePlanner):
+        def resolve_data(self, item: Any) -> Any:
+            if item.index.fqn == "b":
+                raise RuntimeError("the copy went away")
+            return super().resolve_data(item)
+
+    writer, files = dcp_files.dcp_writer(tmp_path)
+    open_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(sharded.dcp_errors()) as failed:  # DCP's CheckpointException
+        dcp.save({"a": torch.ones(4), "b": torch.ones(4)}, checkpoint_id=str(tmp_path),
+                 storage_writer=writer, planner=LosesItsSecondTensor())
+    assert sharded.dcp_failure(failed.value) == "rank 0: RuntimeError: the copy went away"
+    assert set(os.listdir("/proc/self/fd")) <= open_before
+    assert files.sums == {} and not (tmp_path / ".metadata").exists()
+
+
 def test_a_save_plan_is_reused_while_the_layout_stays_and_remade_when_it_changes(
         tmp_path: Path, group_of_one):
     import torch.distributed.checkpoint as dcp
@@ -259,6 +279,11 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
         # parameters go on changing; the checkpoint holds the state of that step.
         out.update(_sharded_in_background(rank, Path(root) / "f"))
 
+        # G: rank 1 cannot write its shards (its disk is full): DCP reports that on both
+        # ranks; procckpt turns it into its one-line error, removes the half-made checkpoint
+        # and keeps the one before.
+        out.update(_sharded_part_fails_on_rank_1(rank, Path(root) / "g"))
+
         # C: a stop that only rank 1 wants stops both ranks, after one checkpoint; adaptive
         # agreement, 10 ms steps: the ranks agree every 20 steps (0.2 s).
         ckpt_c = Checkpointer(Path(root) / "c", model=nn.Linear(4, 2), save_every=0)
@@ -334,6 +359,37 @@ def _sharded_in_background(rank: int, root: Path) -> dict[str, Any]:
             "f_moved_on": not all(torch.equal(v, final[k]) for k, v in loaded.items()),
             "f_events": [(e.get("step"), e.get("background")) for e in events
                          if e["event"] == "checkpoint"]}
+
+
+def _sharded_part_fails_on_rank_1(rank: int, root: Path) -> dict[str, Any]:
+    from procckpt import Sharded
+
+    model, optimizer = _fsdp_model()
+    ckpt = Checkpointer(root, train=Sharded(model, optimizer), save_every=0)
+    first = ckpt.save("first")
+    real = coordinator.dcp_writer
+
+    def full_disk(path: Any) -> Any:
+        writer, files = real(path)
+
+        def refuse(path: Any, mode: str) -> Any:
+            raise OSError(28, "No space left on device")
+
+        files.create_stream = refuse
+        return writer, files
+
+    if rank == 1:
+        coordinator.dcp_writer = full_disk  # type: ignore[assignment]
+    try:
+        ckpt.save("second")
+        error = "saved"
+    except ProcckptError as e:
+        error = str(e)
+    finally:
+        coordinator.dcp_writer = real  # type: ignore[assignment]
+    ckpt.close()
+    return {"g_error": error, "g_first": first.path.name,
+            "g_left": sorted(p.name for p in (root / "checkpoints").iterdir())}
 
 
 # A rank that exits right after a collective, as a planned stop does after the commit's
@@ -430,6 +486,14 @@ def test_a_failed_part_aborts_the_whole_checkpoint(two_ranks):
         assert "failed on rank(s) 1" in results[rank]["b"]
     leftovers = list((root / "b" / "checkpoints").iterdir())
     assert leftovers == [], leftovers
+
+
+def test_a_sharded_part_that_cannot_be_written_aborts_the_checkpoint_in_one_line(two_ranks):
+    root, results = two_ranks
+    for rank in (0, 1):
+        error = results[rank]["g_error"]
+        assert "the checkpoint failed on rank(s)" in error and "\n" not in error, error
+    assert results[0]["g_left"] == [results[0]["g_first"]]  # the one before, nothing else
 
 
 def test_group_checkpoints_in_the_background_commit_once_every_part_is_written(two_ranks):

@@ -56,7 +56,7 @@ from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
 from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
 from .dcp_plans import planner
-from .sharded import load_sharded, sharded_of
+from .sharded import dcp_errors, dcp_failure, load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
            "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
@@ -195,8 +195,8 @@ class DistributedCoordinator:
                 with torch_zip_crc_off():
                     dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
                              planner=planner(), process_group=self.group)
-            except Exception as e:
-                error = f"sharded state: {e}"
+            except dcp_errors() as e:
+                error = f"sharded state: {dcp_failure(e)}"
         if error is None:
             try:
                 if self.rank == 0:

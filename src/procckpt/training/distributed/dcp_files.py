@@ -54,13 +54,13 @@ class _DcpStream:
         self.sum: tuple[int, int] | None = None
 
     def write(self, data: Any) -> int:
-        return self._plain.write(data) if self._plain else self._file.write(data)
+        return self._file.write(data) if self._plain is None else self._plain.write(data)
 
     def tell(self) -> int:
-        return self._plain.tell() if self._plain else self._file.position
+        return self._file.position if self._plain is None else self._plain.tell()
 
     def flush(self) -> None:
-        if self._plain:
+        if self._plain is not None:
             self._plain.flush()
 
     def fileno(self) -> int:
@@ -78,6 +78,16 @@ class _DcpStream:
             os.fsync(self._file.fileno())
         finally:
             self._file.abort()  # closes the descriptor
+
+    def abort(self) -> None:
+        """Close without caring for what was written: the checkpoint is being given up."""
+        self.closed = True
+        if self._plain is not None:
+            # Closed before the descriptor: a buffer flushed later could land in whatever
+            # file reuses the descriptor's number.
+            with contextlib.suppress(OSError, ValueError):
+                self._plain.close()
+        self._file.abort()
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # not set yet (or a dunder): no recursion, no fallback
@@ -109,7 +119,7 @@ def dcp_writer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
             try:
                 yield stream
             except BaseException:
-                stream._file.abort()
+                stream.abort()
                 raise
             stream.close()
             if stream.sum is not None:

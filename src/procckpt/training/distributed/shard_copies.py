@@ -20,9 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ...errors import ProcckptError
 from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
 from .dcp_plans import planner
-from .sharded import Sharded
+from .sharded import Sharded, dcp_errors, dcp_failure
 
 __all__ = ["ShardWrites"]
 
@@ -65,8 +66,11 @@ class ShardWrites:
         import torch.distributed.checkpoint as dcp
 
         writer, files = dcp_writer(directory)
-        with torch_zip_crc_off():
-            dcp.save(live, checkpoint_id=directory, storage_writer=writer,
-                     planner=planner(copies), process_group=self.group)
+        try:
+            with torch_zip_crc_off():
+                dcp.save(live, checkpoint_id=directory, storage_writer=writer,
+                         planner=planner(copies), process_group=self.group)
+        except dcp_errors() as e:
+            raise ProcckptError(f"sharded state: {dcp_failure(e)}") from e
         return gather_sums(files.sums, self.group)
 

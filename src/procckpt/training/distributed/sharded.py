@@ -16,7 +16,7 @@ import torch
 
 from ...errors import ProcckptError
 
-__all__ = ["Sharded", "load_sharded", "sharded_of"]
+__all__ = ["Sharded", "dcp_errors", "dcp_failure", "load_sharded", "sharded_of"]
 
 
 class Sharded:
@@ -54,6 +54,28 @@ class Sharded:
 
 def sharded_of(statefuls: Mapping[str, Any]) -> dict[str, Sharded]:
     return {name: obj for name, obj in statefuls.items() if isinstance(obj, Sharded)}
+
+
+def dcp_errors() -> tuple[type[BaseException], ...]:
+    """What to catch around ``dcp.save`` / ``dcp.load``: DCP reports a failure (on every rank
+    of the group) as its ``CheckpointException``, which derives from ``BaseException``."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def dcp_failure(error: BaseException) -> str:
+    """One line for an error out of DCP: each failed rank's own error, when DCP gathered them."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_first_line(pair[0])}"
+                         for rank, pair in sorted(failures.items()))
+    return _first_line(error)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _safe_dcp_reader(path: Path) -> Any:
@@ -138,6 +160,6 @@ def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
     try:
         dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
                  planner=_safe_load_planner(), no_dist=not use_group)
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ProcckptError(f"cannot load the sharded state of {path.name}: {first}") from e
+    except dcp_errors() as e:
+        raise ProcckptError(f"cannot load the sharded state of {path.name}: "
+                            f"{dcp_failure(e)}") from e
