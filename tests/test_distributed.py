@@ -28,7 +28,7 @@ from procckpt.training import distributed as pd
 from procckpt.training.distributed import coordinator, dcp_files, dcp_plans, sharded
 from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
-from procckpt.errors import ProcckptError, UsageError
+from procckpt.errors import ProcckptError, StorageError, UsageError
 
 # -- pure parts ------------------------------------------------------------------------------
 
@@ -248,7 +248,7 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             ckpt_b.save("test")
             out["b"] = "saved"
         except ProcckptError as e:
-            out["b"] = str(e)
+            out["b"], out["b_code"] = str(e), e.exit_code
         finally:
             coordinator.write_synced = real  # type: ignore[assignment]
 
@@ -382,13 +382,13 @@ def _sharded_part_fails_on_rank_1(rank: int, root: Path) -> dict[str, Any]:
         coordinator.dcp_writer = full_disk  # type: ignore[assignment]
     try:
         ckpt.save("second")
-        error = "saved"
+        error, code = "saved", 0
     except ProcckptError as e:
-        error = str(e)
+        error, code = str(e), e.exit_code
     finally:
         coordinator.dcp_writer = real  # type: ignore[assignment]
     ckpt.close()
-    return {"g_error": error, "g_first": first.path.name,
+    return {"g_error": error, "g_code": code, "g_first": first.path.name,
             "g_left": sorted(p.name for p in (root / "checkpoints").iterdir())}
 
 
@@ -484,6 +484,9 @@ def test_a_failed_part_aborts_the_whole_checkpoint(two_ranks):
     root, results = two_ranks
     for rank in (0, 1):
         assert "failed on rank(s) 1" in results[rank]["b"]
+        # No space on rank 1: a failure that would repeat, so no rank asks for a restart.
+        assert results[rank]["b_code"] == StorageError.exit_code, results[rank]["b"]
+    assert "no space left in" in results[1]["b"]
     leftovers = list((root / "b" / "checkpoints").iterdir())
     assert leftovers == [], leftovers
 
@@ -493,6 +496,7 @@ def test_a_sharded_part_that_cannot_be_written_aborts_the_checkpoint_in_one_line
     for rank in (0, 1):
         error = results[rank]["g_error"]
         assert "the checkpoint failed on rank(s)" in error and "\n" not in error, error
+        assert results[rank]["g_code"] == StorageError.exit_code, error
     assert results[0]["g_left"] == [results[0]["g_first"]]  # the one before, nothing else
 
 

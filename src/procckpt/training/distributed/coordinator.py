@@ -49,8 +49,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ...errors import CheckpointCorruptError, ProcckptError, UsageError
-from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir
+from ...errors import CheckpointCorruptError, ProcckptError, StorageError, UsageError
+from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir,
+                      lasting_write_error)
 from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
@@ -185,6 +186,7 @@ class DistributedCoordinator:
         pending, tmp = self.begin_group(ck, reason, sorted(sharded))
 
         error: str | None = None
+        lasting: StorageError | None = None  # this rank's failure, if it would repeat
         summed: Any = None
         if sharded:
             import torch.distributed.checkpoint as dcp
@@ -196,7 +198,7 @@ class DistributedCoordinator:
                     dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
                              planner=planner(), process_group=self.group)
             except dcp_errors() as e:
-                error = f"sharded state: {dcp_failure(e)}"
+                error, lasting = f"sharded state: {dcp_failure(e)}", _lasting(e, ck.store.root)
         if error is None:
             try:
                 if self.rank == 0:
@@ -210,17 +212,26 @@ class DistributedCoordinator:
                         "format": RANK_FILE_FORMAT, "rank": self.rank,
                         "world_size": self.world_size, "step": ck.step, **ck.rank_payload()})
             except Exception as e:
-                error = str(e)
+                error, lasting = str(e), _lasting(e, ck.store.root)
         failed = self.any_rank(error is not None)
         if failed:
+            repeating = self.any_rank(lasting is not None)  # every rank is here: collective
             if pending is not None:
                 pending.abort()
             if error:
                 logger.error("rank %d could not write its part of the checkpoint: %s",
                              self.rank, error)
+            ranks = ", ".join(map(str, failed))
+            if lasting is not None:  # no space, no permission: a restart would fail again
+                raise StorageError(f"the checkpoint failed on rank(s) {ranks}: {lasting}")
+            if repeating:
+                raise StorageError(
+                    f"the checkpoint failed on rank(s) {ranks}, for a reason that would repeat "
+                    "(no space or no permission: see their logs); the previous checkpoint is "
+                    "intact")
             raise ProcckptError(
-                f"the checkpoint failed on rank(s) {', '.join(map(str, failed))} (see their "
-                "logs); the previous checkpoint stays the one to resume from")
+                f"the checkpoint failed on rank(s) {ranks} (see their logs); the previous "
+                "checkpoint stays the one to resume from")
 
         sums = gather_sums(summed.sums, self.group, self.device) if summed is not None else {}
         result = ""
@@ -388,6 +399,17 @@ def rescale_position(payload: dict[str, Any], saved: int, now: int,
             "mid-epoch checkpoint: resuming at batch %d of the epoch (was %d with %d ranks)",
             progress["batch"], batch, saved)
     return {**payload, "progress": progress}
+
+
+def _lasting(error: BaseException, root: Path) -> StorageError | None:
+    """The one-line error when ``error`` (or a rank's error inside DCP's) would repeat."""
+    failures = getattr(error, "failures", None)
+    causes = [pair[0] for pair in failures.values()] if isinstance(failures, dict) else [error]
+    for cause in causes:
+        lasting = lasting_write_error(cause, root)
+        if lasting is not None:
+            return lasting
+    return None
 
 
 def write_synced(path: Path, obj: Any) -> None:
