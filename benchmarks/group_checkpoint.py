@@ -193,5 +193,6 @@ def main() -> None:
             goal = f"  (target <= {target})" if target else ""
             print(f"  {label + ':':25} {med[a] / med[b]:.3f}{goal}")
 
+
 if __name__ == "__main__":
     main()

@@ -367,7 +367,7 @@ def _sharded_part_fails_on_rank_1(rank: int, root: Path) -> dict[str, Any]:
     model, optimizer = _fsdp_model()
     ckpt = Checkpointer(root, train=Sharded(model, optimizer), save_every=0)
     first = ckpt.save("first")
-    real = coordinator.dcp_writer
+    real = dcp_files.dcp_writer
 
     def full_disk(path: Any) -> Any:
         writer, files = real(path)
@@ -379,14 +379,14 @@ def _sharded_part_fails_on_rank_1(rank: int, root: Path) -> dict[str, Any]:
         return writer, files
 
     if rank == 1:
-        coordinator.dcp_writer = full_disk  # type: ignore[assignment]
+        dcp_files.dcp_writer = full_disk  # type: ignore[assignment]
     try:
         ckpt.save("second")
         error, code = "saved", 0
     except ProcckptError as e:
         error, code = str(e), e.exit_code
     finally:
-        coordinator.dcp_writer = real  # type: ignore[assignment]
+        dcp_files.dcp_writer = real  # type: ignore[assignment]
     ckpt.close()
     return {"g_error": error, "g_code": code, "g_first": first.path.name,
             "g_left": sorted(p.name for p in (root / "checkpoints").iterdir())}

@@ -55,9 +55,8 @@ from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_
 from ..io.background import staged
 from ..io.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
-from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
-from .dcp_plans import planner
-from .sharded import dcp_errors, dcp_failure, load_sharded, sharded_of
+from .dcp_files import Sums, gather_sums, save_dcp
+from .sharded import dcp_errors, dcp_failure, dcp_failures, load_sharded, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
            "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
@@ -187,16 +186,11 @@ class DistributedCoordinator:
 
         error: str | None = None
         lasting: StorageError | None = None  # this rank's failure, if it would repeat
-        summed: Any = None
+        local_sums: Sums | None = None
         if sharded:
-            import torch.distributed.checkpoint as dcp
-
-            writer, summed = dcp_writer(tmp)
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                with torch_zip_crc_off():
-                    dcp.save(dict(sharded), checkpoint_id=str(tmp), storage_writer=writer,
-                             planner=planner(), process_group=self.group)
+                local_sums = save_dcp(dict(sharded), tmp, self.group)
             except dcp_errors() as e:
                 error, lasting = f"sharded state: {dcp_failure(e)}", _lasting(e, ck.store.root)
         if error is None:
@@ -233,7 +227,7 @@ class DistributedCoordinator:
                 f"the checkpoint failed on rank(s) {ranks} (see their logs); the previous "
                 "checkpoint stays the one to resume from")
 
-        sums = gather_sums(summed.sums, self.group, self.device) if summed is not None else {}
+        sums = gather_sums(local_sums, self.group, self.device) if local_sums is not None else {}
         result = ""
         info_out: CheckpointInfo | None = None
         if self.rank == 0:
@@ -403,9 +397,7 @@ def rescale_position(payload: dict[str, Any], saved: int, now: int,
 
 def _lasting(error: BaseException, root: Path) -> StorageError | None:
     """The one-line error when ``error`` (or a rank's error inside DCP's) would repeat."""
-    failures = getattr(error, "failures", None)
-    causes = [pair[0] for pair in failures.values()] if isinstance(failures, dict) else [error]
-    for cause in causes:
+    for cause in dcp_failures(error).values() or [error]:
         lasting = lasting_write_error(cause, root)
         if lasting is not None:
             return lasting

@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from ..io.writer import StreamingFileWriter, torch_zip_crc_off
 from .agreement import let_go
+from .dcp_plans import planner
 
-__all__ = ["Sums", "dcp_writer", "gather_sums", "torch_zip_crc_off"]
+__all__ = ["Sums", "dcp_writer", "gather_sums", "save_dcp"]
 
 #: File name -> (bytes, CRC-32).
 Sums = dict[str, tuple[int, int]]
@@ -134,6 +135,21 @@ def dcp_writer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
     writer = FileSystemWriter(path, sync_files=True)
     writer.fs = files = _StreamedFiles()
     return writer, files
+
+
+def save_dcp(state: dict[str, Any], directory: str | os.PathLike[str], group: Any,
+             copies: dict[str, Any] | None = None) -> Sums:
+    """Collective: DCP's save of ``state`` into ``directory`` the way procckpt writes it
+    (:func:`dcp_writer`, the plan of dcp_plans.py, torch's zip CRC off). ``copies``: see
+    :func:`~.dcp_plans.planner`. Returns the sums of the files this rank wrote. DCP's errors
+    pass unchanged (``sharded.dcp_errors()`` catches them)."""
+    import torch.distributed.checkpoint as dcp
+
+    writer, files = dcp_writer(directory)
+    with torch_zip_crc_off():
+        dcp.save(state, checkpoint_id=str(directory), storage_writer=writer,
+                 planner=planner(copies), process_group=group)
+    return files.sums
 
 
 def gather_sums(sums: Sums, group: Any = None,

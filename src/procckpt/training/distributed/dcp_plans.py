@@ -13,13 +13,12 @@ changed model (a new parameter, a resized tensor, another mesh) gets a new plan.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 __all__ = ["layout_of", "planner"]
 
-_last_lock = threading.Lock()
-#: (layout, the local plan's items) of the last plan made in this process.
+#: (layout, the local plan's items) of the last plan made in this process. Read and replaced
+#: whole (one assignment), so the training and writer threads need no lock for it.
 _last: tuple[tuple[Any, ...], list[Any]] | None = None
 
 
@@ -60,12 +59,10 @@ def planner(copies: dict[str, Any] | None = None) -> Any:
         def create_local_plan(self) -> Any:
             global _last
             layout = layout_of(self.state_dict, self.is_coordinator)
-            with _last_lock:
-                last = _last
+            last = _last
             if last is None or last[0] != layout:
                 plan = super().create_local_plan()
-                with _last_lock:
-                    _last = (layout, list(plan.items))
+                _last = (layout, list(plan.items))
                 return plan
             # What DefaultSavePlanner makes, with the items of the last plan.
             plan = SavePlan(list(last[1]))
@@ -82,4 +79,3 @@ def planner(copies: dict[str, Any] | None = None) -> Any:
             return copies[index.fqn]
 
     return _LayoutPlanner()
-

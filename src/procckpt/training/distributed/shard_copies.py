@@ -21,8 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ...errors import ProcckptError
-from .dcp_files import Sums, dcp_writer, gather_sums, torch_zip_crc_off
-from .dcp_plans import planner
+from .dcp_files import Sums, gather_sums, save_dcp
 from .sharded import Sharded, dcp_errors, dcp_failure
 
 __all__ = ["ShardWrites"]
@@ -63,14 +62,9 @@ class ShardWrites:
         """Collective over the writer threads: DCP's save of ``live`` into ``directory``,
         with the values of ``copies`` (:meth:`locals_of` of ``live``, as copied). Returns
         the sizes and CRCs of the files every rank wrote (for rank 0's commit)."""
-        import torch.distributed.checkpoint as dcp
-
-        writer, files = dcp_writer(directory)
         try:
-            with torch_zip_crc_off():
-                dcp.save(live, checkpoint_id=directory, storage_writer=writer,
-                         planner=planner(copies), process_group=self.group)
+            sums = save_dcp(live, directory, self.group, copies)
         except dcp_errors() as e:
             raise ProcckptError(f"sharded state: {dcp_failure(e)}") from e
-        return gather_sums(files.sums, self.group)
+        return gather_sums(sums, self.group)
 

@@ -16,7 +16,8 @@ import torch
 
 from ...errors import ProcckptError
 
-__all__ = ["Sharded", "dcp_errors", "dcp_failure", "load_sharded", "sharded_of"]
+__all__ = ["Sharded", "dcp_errors", "dcp_failure", "dcp_failures", "load_sharded",
+           "sharded_of"]
 
 
 class Sharded:
@@ -64,12 +65,19 @@ def dcp_errors() -> tuple[type[BaseException], ...]:
     return (Exception, CheckpointException)
 
 
+def dcp_failures(error: BaseException) -> dict[int, BaseException]:
+    """Each failed rank's own error, when ``error`` is DCP's gathering of them; else {}."""
+    failures = getattr(error, "failures", None)  # rank -> (error, its traceback)
+    if not isinstance(failures, dict):
+        return {}
+    return {rank: pair[0] for rank, pair in sorted(failures.items())}
+
+
 def dcp_failure(error: BaseException) -> str:
     """One line for an error out of DCP: each failed rank's own error, when DCP gathered them."""
-    failures = getattr(error, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {_first_line(pair[0])}"
-                         for rank, pair in sorted(failures.items()))
+    failures = dcp_failures(error)
+    if failures:
+        return "; ".join(f"rank {rank}: {_first_line(e)}" for rank, e in failures.items())
     return _first_line(error)
 
 
