@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import collections
+import errno
+import fcntl
 import os
 import subprocess
 import sys
@@ -22,8 +24,11 @@ from procckpt.training.io.arena import HostArena, NotSnapshottable
 from procckpt.training.io.fence import ENV_OVERLAP, StepFence
 from procckpt.training.io.background import (BackgroundSaver, BackgroundWriteError, WriteResult,
                                              async_wanted)
+from procckpt.training.io.direct import ENV_DIRECT
 from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
 from procckpt.store import CheckpointStore
+
+from .conftest import mounted_tmpfs
 
 
 class Pair(NamedTuple):
@@ -72,15 +77,62 @@ def open_store(tmp_path: Path) -> CheckpointStore:
 
 
 # -- the writer ------------------------------------------------------------------------------
-def test_streaming_writer_writes_every_byte_and_its_crc(tmp_path: Path) -> None:
+def is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_streaming_writer_writes_every_byte_and_its_crc(tmp_path: Path, direct: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_DIRECT, direct)
+    # pieces that straddle the direct buffers (1 MiB here), and a length that is no
+    # multiple of a disk block: the padding of the last direct write must be cut off
     pieces = [os.urandom(n) for n in (10, 3 << 20, 1, 100_000, 9 << 20, 7)]
     writer = StreamingFileWriter(tmp_path / "f", chunk=1 << 20)
+    assert is_direct(writer.fileno()) == (direct == "1")  # ext4 and tmpfs take O_DIRECT
     for piece in pieces:
         assert writer.write(memoryview(piece)) == len(piece)
+    assert writer.position == sum(map(len, pieces))
     nbytes, crc = writer.finish()
     content = b"".join(pieces)
     assert (tmp_path / "f").read_bytes() == content
     assert (nbytes, crc) == (len(content), zlib.crc32(content))
+
+
+def test_a_bad_direct_io_switch_is_a_usage_error_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_DIRECT, "maybe")
+    with pytest.raises(UsageError, match="PROCCKPT_DIRECT_IO='maybe'"):
+        StreamingFileWriter(tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+
+
+def test_direct_writer_turns_plain_midway_and_keeps_every_byte(tmp_path: Path) -> None:
+    """What DCP's stream does when asked to seek: the bytes gathered so far are written and
+    the same descriptor takes plain (unaligned) writes from there."""
+    head, tail = os.urandom((1 << 20) + 123), os.urandom(4567)
+    writer = StreamingFileWriter(tmp_path / "f", chunk=1 << 20)
+    assert is_direct(writer.fileno())
+    writer.write(head)
+    writer.write_gathered()
+    assert not is_direct(writer.fileno())
+    assert os.pwrite(writer.fileno(), tail, len(head)) == len(tail)
+    writer.abort()
+    assert (tmp_path / "f").read_bytes() == head + tail
+
+
+def test_direct_writer_reports_a_full_disk_and_leaves_nothing_running(tmp_path: Path) -> None:
+    with mounted_tmpfs(tmp_path / "fs", "4m") as mount:
+        writer = StreamingFileWriter(mount / "f", chunk=1 << 20)
+        assert is_direct(writer.fileno())
+        with pytest.raises(OSError) as raised:
+            for _ in range(8):  # 8 MiB into 4
+                writer.write(os.urandom(1 << 20))
+            writer.finish()
+        assert raised.value.errno == errno.ENOSPC
+        assert writer.error is raised.value  # what save_payload raises instead of torch's text
+        writer.abort()
+    assert not [t for t in threading.enumerate() if t.name == "procckpt-direct"]
 
 
 def test_checkpoint_loads_with_plain_torch_load_and_verifies(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import torch
 
 from ...store.checksum import crc32
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
+from .direct import DirectWrites, direct_wanted, direct_writes
 
 __all__ = ["StreamingFileWriter", "save_payload", "write_checkpoint", "lasting_errors_explained",
            "payload_bytes", "tensors_of", "torch_zip_crc_off", "CHUNK"]
@@ -37,12 +38,17 @@ _SMALL = 64 << 10
 class StreamingFileWriter:
     """A write-only file for ``torch.save`` that writes at the disk's speed.
 
-    Tensor data passes from the caller's memory straight to ``os.write`` in :data:`CHUNK`
-    pieces (no copy); each piece is checksummed just before it is written, and the kernel is
-    told to start writing it back right after (``POSIX_FADV_DONTNEED`` starts writeback of
-    dirty pages without waiting), so the disk works while the next piece is checksummed and
-    the final fsync has little left to do. Once durable, the file's pages are dropped from the
-    page cache: a checkpoint does not push the training's data set out of memory.
+    Where the file system allows, the file is written around the page cache (``O_DIRECT``,
+    see direct.py): the bytes are copied into a reused aligned buffer, and a helper thread
+    checksums and writes each full buffer while the next one fills.
+
+    Elsewhere (or with ``PROCCKPT_DIRECT_IO=0``) tensor data passes from the caller's memory
+    straight to ``os.write`` in :data:`CHUNK` pieces (no copy); each piece is checksummed
+    just before it is written, and the kernel is told to start writing it back right after
+    (``POSIX_FADV_DONTNEED`` starts writeback of dirty pages without waiting), so the disk
+    works while the next piece is checksummed and the final fsync has little left to do.
+    Once durable, the file's pages are dropped from the page cache: a checkpoint does not
+    push the training's data set out of memory.
 
     ``pause_per_chunk`` is a test seam: it slows every piece down so that tests can act
     while a write is in flight.
@@ -62,12 +68,31 @@ class StreamingFileWriter:
         self._writeback_from = 0
         #: The OSError a write failed with, if one did.
         self.error: OSError | None = None
+        self._direct: DirectWrites | None = None
+        direct = direct_wanted()
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
                                        0o644)
+        if direct:
+            try:
+                self._direct = direct_writes(self._fd, self.chunk)
+            except BaseException:
+                self.abort()
+                raise
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
         n = len(view)
+        if self._direct is not None:
+            pieces = self._direct.pieces
+            try:
+                self.io_seconds += self._direct.put(view)
+            except OSError as e:  # torch.save reports it as "unexpected pos": keep the cause
+                self.error = e
+                raise
+            if self.pause_per_chunk and self._direct.pieces != pieces:
+                time.sleep(self.pause_per_chunk)
+            self.nbytes += n
+            return n
         if n < _SMALL:
             self._small += view
             if len(self._small) >= _SMALL:
@@ -84,19 +109,35 @@ class StreamingFileWriter:
     @property
     def position(self) -> int:
         """Bytes handed over so far (written, or gathered to be written)."""
-        return self.nbytes + len(self._small)
+        return self.nbytes + len(self._small)  # a direct write counts them as they come
 
     def fileno(self) -> int:
         assert self._fd is not None
         return self._fd
 
     def write_gathered(self) -> None:
-        """Write what is gathered now: the file then holds every byte handed over."""
+        """Write what is gathered now: the file then holds every byte handed over, and its
+        descriptor takes plain writes (no longer direct ones) from here on."""
+        if self._direct is not None:
+            try:
+                self.crc = self._direct.to_plain()
+            finally:
+                self._direct = None
         self._flush_small()
 
     def finish(self) -> tuple[int, int]:
         """Write what is gathered, fsync, close; return (bytes, CRC-32) of the whole file."""
         assert self._fd is not None
+        if self._direct is not None:
+            try:
+                self.crc, seconds = self._direct.finish()
+            except OSError as e:
+                self.error = e
+                raise
+            finally:
+                self._direct.release()
+            self.io_seconds += seconds
+            self._direct = None
         self._flush_small()
         started = time.perf_counter()
         os.fsync(self._fd)
@@ -109,6 +150,9 @@ class StreamingFileWriter:
         return self.nbytes, self.crc
 
     def abort(self) -> None:
+        if self._direct is not None:
+            self._direct.release()
+            self._direct = None
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
