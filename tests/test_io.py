@@ -195,6 +195,34 @@ def test_the_arena_is_allocated_once_and_reused() -> None:
     assert arena.allocations == 2 and torch.equal(third.payload["c"], weights["c"])
 
 
+def test_a_script_that_ends_while_the_arena_is_being_reserved_keeps_its_exit_code(
+        tmp_path: Path) -> None:
+    """A script that fails a step after the reserve began exits with its own code, not with
+    SIGABRT: a daemon thread still inside torch at interpreter shutdown aborted the process
+    ("terminate called without an active exception"; 4 of 20 runs of tests/programs/
+    tiny_train.py --fail-at-step 4). The reserve is made slow here so that it is certainly
+    still inside torch when the script ends: several large torch ops, then the real one."""
+    program = """
+import sys, torch
+from procckpt.store import CheckpointStore
+from procckpt.training.io.background import BackgroundSaver
+saver = BackgroundSaver(CheckpointStore(sys.argv[1]).open())
+real = saver.arena.reserve
+def slow_reserve(payload):
+    block = torch.ones(1 << 24)
+    for _ in range(40):  # about a second inside torch, the GIL released
+        block.mul_(1.0001).add_(1e-6)
+    real(payload)
+saver.arena.reserve = slow_reserve
+saver.reserve({"w": torch.randn(1000, 100)})
+raise SystemExit(3)
+"""
+    done = subprocess.run([sys.executable, "-c", program, str(tmp_path / "ck")], text=True,
+                          capture_output=True, timeout=120)
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+
+
 def test_an_arena_reserved_ahead_is_the_one_the_first_checkpoint_copies_into(
         tmp_path: Path) -> None:
     """Issue 12: the first checkpoint stalls like the others: its memory was made after the

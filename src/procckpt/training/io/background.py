@@ -133,7 +133,12 @@ class BackgroundSaver:
             logger.debug("host arena reserved ahead: %.1f MB in %.2fs", self.arena.capacity / 1e6,
                          time.perf_counter() - started)
 
-        self._reserving = threading.Thread(target=run, name="procckpt-arena", daemon=True)
+        # Not a daemon: the interpreter waits for it at exit. A daemon thread still inside
+        # torch when a script ends (an exception a step after the reserve started) would
+        # take the GIL of a finalizing interpreter, and a thread ended in the middle of
+        # torch's C++ aborts the process ("terminate called without an active exception"),
+        # turning the script's exit code into SIGABRT.
+        self._reserving = threading.Thread(target=run, name="procckpt-arena", daemon=False)
         self._reserving.start()
 
     @property

@@ -194,7 +194,8 @@ class DirectWrites:
             except BaseException as e:  # noqa: BLE001 - raised in the caller's next call
                 self._error = e
 
-        self._writing = threading.Thread(target=write, name="procckpt-direct", daemon=True)
+        # Not a daemon, as the writer thread (see BackgroundSaver.reserve): always joined.
+        self._writing = threading.Thread(target=write, name="procckpt-direct", daemon=False)
         self._writing.start()
         self.pieces += 1
         self._current ^= 1
