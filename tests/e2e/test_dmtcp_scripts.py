@@ -54,8 +54,10 @@ def test_dataloader_workers_finish_identical_or_stop_within_two_cycles_with_the_
     extra = ["--epochs", "12", "--workers", "2"]
     ckpt = workdir / "ckpt"
     started = time.monotonic()
+    # 192 steps of at least 0.1 s: longer than the 20 s limit on any machine, so the run
+    # meets its deadline (with 0.05 s a fast machine finished before it, never resumed)
     result = procckpt_run(workdir, ckpt, ["--time-limit", "20s", "--grace", "6s"],
-                          [*TORCH, "--step-sleep", "0.05", "--out", str(workdir / "resumed.pt"),
+                          [*TORCH, "--step-sleep", "0.1", "--out", str(workdir / "resumed.pt"),
                            *extra], timeout=900)
     if result.returncode == 0:
         assert steps(result.stdout) == list(range(1, 193)), result.stdout[-2000:]
