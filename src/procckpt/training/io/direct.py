@@ -161,13 +161,11 @@ class DirectWrites:
         """Turn the descriptor back into a plain (page cache) one, writing what is gathered
         first: the file then holds every byte put. Returns the CRC-32 so far."""
         self._wait()
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+        _plain(self.fd)
         if self._used:
             rest = memoryview(self._bufs[self._current])[:self._used]
             self.crc = crc32(rest, self.crc)
-            while rest:
-                rest = rest[os.write(self.fd, rest):]
-            self.written += self._used
+            self._write_all(rest)
             self._used = 0
         self.release()
         return self.crc
@@ -216,5 +214,9 @@ class DirectWrites:
             self.written += n
             view = view[n:]
             if view and n % ALIGN:  # a short write left the rest unaligned: finish plainly
-                flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
-                fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+                _plain(self.fd)
+
+
+def _plain(fd: int) -> None:
+    """Turn ``O_DIRECT`` off on ``fd``: its writes go through the page cache again."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
