@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from .backend_threads import let_go
 
-__all__ = ["Flags", "RankAgreement", "device_for_group", "let_go", "ENV_SYNC_EVERY",
+__all__ = ["Flags", "RankAgreement", "device_for_group", "ENV_SYNC_EVERY",
            "AGREE_SECONDS"]
 
 #: Agree every N steps instead of the adaptive default.
@@ -26,8 +27,6 @@ ENV_SYNC_EVERY = "PROCCKPT_SYNC_EVERY"
 #: Adaptive agreement aims at one all-reduce this often (the control dir is polled as often).
 AGREE_SECONDS = 0.2
 MAX_SYNC_EVERY = 10_000
-#: How long :func:`let_go` waits at most (the backend's thread needs only the GIL).
-LET_GO_S = 2.0
 
 
 @dataclass
@@ -107,21 +106,3 @@ def device_for_group(group: Any = None) -> torch.device:
     if "gloo" in backend or "mpi" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def let_go(*tensors: torch.Tensor) -> None:
-    """Wait until the backend's thread let go of ``tensors``, just used in a collective.
-
-    Gloo's worker thread lets go of a collective's tensors after the caller's wait returned,
-    and that takes the GIL. Should the process exit meanwhile (a planned stop right after the
-    commit's broadcast), the thread asks for the GIL of a finalizing interpreter, is ended
-    inside a C++ destructor, and the rank dies of SIGABRT ("terminate called without an
-    active exception"; gdb on the core of an FSDP rank: ``~AsyncBroadcastWork`` ->
-    ``decref_pyobject`` -> ``take_gil`` -> ``pthread_exit``). Waiting here, GIL released,
-    closes that window for procckpt's own collectives. CPU tensors only: NCCL's watchdog
-    keeps its works far longer, and not every step should wait for it.
-    """
-    held = [t for t in tensors if t.device.type == "cpu" and hasattr(t, "_use_count")]
-    deadline = time.monotonic() + LET_GO_S
-    while any(t._use_count() > 1 for t in held) and time.monotonic() < deadline:
-        time.sleep(0.0002)  # gives up the GIL, which the thread needs to drop the reference

@@ -54,7 +54,8 @@ from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_
                       lasting_write_error)
 from ..io.background import staged
 from ..io.writer import save_payload
-from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group, let_go
+from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
+from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
 from .sharded import dcp_errors, dcp_failure, dcp_failures, load_sharded, sharded_of
 
@@ -124,6 +125,7 @@ class DistributedCoordinator:
             except ValueError:
                 raise UsageError(f"bad {ENV_SYNC_EVERY}={os.environ[ENV_SYNC_EVERY]!r}: expected "
                                  "a whole number of steps") from None
+        settle_at_exit()  # the script's own collectives, too
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)

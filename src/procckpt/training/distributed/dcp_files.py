@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..io.writer import StreamingFileWriter, torch_zip_crc_off
-from .agreement import let_go
+from .backend_threads import let_go
 from .dcp_plans import planner
 
 __all__ = ["Sums", "dcp_writer", "gather_sums", "save_dcp"]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from .backend_threads import settle_at_exit
 
 __all__ = ["default_backend", "init_distributed", "polls_control", "first_host", "ENV_POLL_RANKS"]
 
@@ -49,6 +50,8 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, int]:
             gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
             backend = default_backend(_local_world_size(env), gpus)
         dist.init_process_group(backend, rank=rank, world_size=world)
+    if world > 1:
+        settle_at_exit()
     return rank, world, local
 
 
