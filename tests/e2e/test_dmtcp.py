@@ -210,6 +210,43 @@ def test_sigterm_checkpoints_and_stops_and_the_next_run_continues(workdir: Path)
     assert (workdir / "out.txt").read_text().split()[:2] == loop_reference(workdir, 160)
 
 
+@needs_dmtcp
+def test_a_command_that_finishes_while_its_stop_is_asked_for_is_not_run_again(workdir: Path):
+    # The command holds DMTCP's checkpoints off after its last step until the deadline's
+    # stop was asked for, then finishes: DMTCP never writes the stop's image. Its exit code 0
+    # is its own (DMTCP's exit after a stop image is 0 too, but comes only after the image),
+    # so the run is complete; it was restarted from scratch before (a CI failure under
+    # Slurm: a finished run requeued and its last steps run twice).
+    ckpt = workdir / "ckpt"
+    result = procckpt_run(workdir, ckpt, ["--time-limit", "8s", "--grace", "4s",
+                                          "--max-restarts", "2"],
+                          [*LOOP, "--steps", "5", "--out", "out.txt",
+                           "--end-unsaveable-after-stop", str(ckpt / "events.jsonl")])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("done") == 1, result.stdout[-2000:]
+    assert steps(result.stdout) == [1, 2, 3, 4, 5]
+    history = events(ckpt)
+    assert [e for e in history if e["event"] == "trigger" and e["action"] == "stop"], history
+    assert not [e for e in history if e["event"] in ("restart", "checkpoint")], history
+    assert history[-1]["event"] == "exit" and history[-1]["reason"] == "finished", history
+    assert (workdir / "out.txt").read_text().split()[:2] == loop_reference(workdir, 5)
+
+
+@needs_dmtcp
+def test_a_command_that_exits_0_on_our_sigterm_is_not_taken_for_finished(workdir: Path):
+    # No image can be taken, so procckpt sends SIGTERM after the grace; the command's own
+    # handler exits 0. That exit was asked for: the run must not be marked complete.
+    ckpt = workdir / "ckpt"
+    result = procckpt_run(workdir, ckpt, ["--time-limit", "6s", "--grace", "3s",
+                                          "--max-restarts", "0"],
+                          [*LOOP, "--steps", "3", "--out", "out.txt", "--hold-unsaveable"])
+    assert result.returncode != 0, result.stderr[-3000:]
+    history = events(ckpt)
+    assert [e for e in history if e["event"] == "unconfirmed"], history
+    assert history[-1]["event"] == "exit" and history[-1]["reason"] != "finished", history
+    assert not (ckpt / "COMPLETE").exists() and "training finished" not in result.stderr
+
+
 def interrupted_twice(workdir: Path, ckpt: Path) -> subprocess.CompletedProcess[str]:
     """Two cycles, two images (ckpt-1, ckpt-2), then the restart budget ends the run (75)."""
     result = procckpt_run(workdir, ckpt, ["--time-limit", "8s", "--grace", "3s",

@@ -70,6 +70,9 @@ class Child:
         self._lifeline: int | None = None
         self._members: set[psutil.Process] = set()
         self._members_seen_at = float("-inf")
+        #: Whether procckpt sent the running command a signal (forwarded, SIGTERM, SIGKILL):
+        #: its exit code 0 is then no proof that it finished by itself.
+        self.signalled = False
 
     @property
     def pid(self) -> int:
@@ -126,6 +129,8 @@ class Child:
     def signal(self, sig: int) -> None:
         """Send ``sig`` to the command's whole process group."""
         assert self._popen is not None
+        if self._popen.poll() is None:
+            self.signalled = True
         try:
             os.killpg(self._popen.pid, sig)
         except (ProcessLookupError, PermissionError):

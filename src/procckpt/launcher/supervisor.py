@@ -303,9 +303,9 @@ class Supervisor:
             log_confirmed(self.store, final, self._clock() - since, self.cycles)
         after_exit = getattr(self.engine, "after_exit", None)
         if after_exit is not None:
-            requested = (outcome.stop_cause is not None or outcome.confirmed is not None
-                         or bool(outcome.forwarded))
-            outcome.retry = after_exit(outcome.exit_code, requested)
+            requested = outcome.stop_cause is not None or outcome.confirmed is not None
+            signalled = child.signalled or bool(outcome.forwarded)
+            outcome.retry = after_exit(outcome.exit_code, requested or signalled, signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         return outcome

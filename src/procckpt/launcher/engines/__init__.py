@@ -6,8 +6,9 @@ process image of an unmodified command.
 
 Two optional methods, looked up with ``getattr`` so that an engine needs them only if it uses
 them: ``child_started(pid)`` (the cycle's command runs as ``pid``, leader of its own process
-group) and ``after_exit(exit_code, requested) -> str | None`` (called after ``end_cycle``;
-``requested`` says whether the supervisor stopped or signalled the command; a message means
+group) and ``after_exit(exit_code, requested, signalled) -> str | None`` (called after
+``end_cycle``; ``requested`` says whether the supervisor asked for a stop or signalled the
+command, ``signalled`` whether it sent the command a signal; a message means
 "run another cycle, this one failed for the engine's reasons", e.g. a process image that could
 not be restored, and says why), and ``progress() -> Heartbeat | None`` (the step the training
 last said it reached, and when: what hang detection watches).

@@ -208,18 +208,25 @@ class DmtcpEngine:
                                          cycle.over_at, cycle.coordinator.peers)
         return confirmed
 
-    def after_exit(self, exit_code: int, requested: bool) -> str | None:
+    def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
         """Called once the cycle ended (after :meth:`end_cycle`).
 
         Returns a message when the next cycle should run differently because this one failed
         to restore (it then restarts from the previous image); None otherwise. A command that
-        exited 0 by itself finished: the run is marked complete.
+        exited 0 by itself finished: the run is marked complete. So does one that exited 0
+        while a stop was asked for but before DMTCP wrote a byte of its image: DMTCP ends a
+        command after the stop's image with exit code 0 too, but only once the image is written.
         """
         cycle = self._cycle
-        if cycle is None or requested:
+        if cycle is None:
             return None
-        if exit_code == 0:
+        if exit_code == 0 and not signalled and not self._stopped_after_image():
+            if requested:
+                logger.info("dmtcp: the command finished by itself before the stop's image "
+                            "was taken")
             self.store.mark_complete(token=cycle.token, engine=self.name)
+            return None
+        if requested:
             return None
         image = cycle.restored_from
         if image is None or (cycle.running.is_set() and cycle.restore_failed is None):
@@ -236,6 +243,16 @@ class DmtcpEngine:
             return None
         return (f"restarting from {image.name} failed ({why}); falling back to the previous "
                 f"image, {older.name}")
+
+    def _stopped_after_image(self) -> bool:
+        """Whether DMTCP may have ended the command after a stop's image (--kcheckpoint)."""
+        job = self._job
+        if job is None or not job.stop:
+            return False
+        with self._lock:
+            c = self._confirmed
+        return job.wrote or job.committing or (c is not None and c.stopping
+                                               and c.checkpoint is not None)
 
     # -- images ---------------------------------------------------------------------------
     def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
@@ -359,12 +376,12 @@ class DmtcpEngine:
             script = self.image_dir.finished_script()
             if script is not None and sent_at is not None:
                 return self.image_dir.image_names(script), now - sent_at
-            if sent_at is not None and not cycle.over.is_set():
+            if sent_at is not None:  # also once the command is gone: it wrote before
                 size = self.image_dir.bytes_written()
                 if size != written:
                     written, grew_at = size, now
                     job.wrote = True
-                elif now - grew_at > STALL_S:
+                elif not cycle.over.is_set() and now - grew_at > STALL_S:
                     self._stalled(cycle, job, now - sent_at)
                     return None
             if cycle.coordinator.exited:
