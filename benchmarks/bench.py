@@ -232,7 +232,25 @@ def machine() -> dict[str, str]:
         "software": f"Python {platform.python_version()}, torch {torch.__version__}, "
                     f"CRC-32 by {checksum.IMPLEMENTATION}, {torch.get_num_threads()} torch threads",
         "load": "load average %.2f %.2f %.2f at start" % os.getloadavg(),
+        "memcpy": nontemporal_copies(),
     }
+
+
+def nontemporal_copies() -> str:
+    """From what size glibc's memcpy/memmove bypass the cache (x86), as its loader reports.
+
+    The async pause is memory copies of each tensor: those below this size are made with
+    ordinary stores, which read every destination line first. A VM that reports its host's
+    whole L3 to a few cores gets a threshold larger than a model's tensors (BENCHMARKS.md).
+    """
+    with contextlib.suppress(Exception):
+        listed = subprocess.run(["/lib64/ld-linux-x86-64.so.2", "--list-tunables"],
+                                capture_output=True, text=True, timeout=10).stdout
+        for line in listed.splitlines():
+            if "x86_non_temporal_threshold:" in line:
+                size = int(line.split(":", 1)[1].split()[0], 16)
+                return f"non-temporal stores from {human(size)} (glibc)"
+    return "?"
 
 
 # -- 1-4: checkpoints of one size ------------------------------------------------------------

@@ -40,7 +40,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
-from ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
+from bench import nontemporal_copies  # benchmarks/ is sys.path[0] when run as a script
+from ranks import run_ranks
 
 MiB = 1 << 20
 KINDS = ("procckpt async", "procckpt sync", "dcp async_save", "dcp save", "stop durable",
@@ -181,7 +182,7 @@ def main() -> None:
     layout = "FSDP2, {} sharded".format(args.size) if args.sharded else \
         f"DDP, {args.size} replicated"
     print(f"2 gloo ranks, {layout}; pause of the slowest rank per "
-          f"checkpoint, median of {args.repeats} (min):")
+          f"checkpoint, median of {args.repeats} (min); memcpy: {nontemporal_copies()}")
     for name, xs in report.items():
         print(f"  {name:16} {med[name]:8.3f} s  ({min(xs):.3f})")
     for a, b, label, target in (("procckpt async", "procckpt sync", "async / sync", 0.1),
