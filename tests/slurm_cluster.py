@@ -84,7 +84,7 @@ def _which(name: str) -> str | None:
     return None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago.
 
     There is a window before the daemon binds it, but the kernel hands out ephemeral ports
@@ -317,9 +317,9 @@ class SlurmCluster:
         atexit.register(self.stop)
         try:
             self._start_munged()
-            self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+            self.ctld_port, self.slurmd_port = free_port(), free_port()
             while self.slurmd_port == self.ctld_port:
-                self.slurmd_port = _free_port()
+                self.slurmd_port = free_port()
             self.conf_path = self._write_config()
             self.env = self._client_env()
             self._spawn(

@@ -10,7 +10,6 @@ import json
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from procckpt.training.distributed import coordinator, dcp_files, dcp_plans, sha
 from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
 from procckpt.errors import ProcckptError, StorageError, UsageError
+
+from .slurm_cluster import free_port
 
 # -- pure parts ------------------------------------------------------------------------------
 
@@ -445,10 +446,7 @@ def test_a_script_exiting_right_after_its_own_collective_exits_cleanly():
     for _ in range(3):
         pairs = []
         for _ in range(3):
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
                    "WORLD_SIZE": "2"}
             pairs.append([subprocess.Popen([sys.executable, "-c", _EXIT_AFTER_OWN_BROADCAST],
                                            env={**env, "RANK": str(rank)},

@@ -245,14 +245,10 @@ class DmtcpEngine:
                 f"image, {older.name}")
 
     def _stopped_after_image(self) -> bool:
-        """Whether DMTCP may have ended the command after a stop's image (--kcheckpoint)."""
+        """Whether DMTCP may have ended the command after a stop's image (--kcheckpoint):
+        a byte of it was seen, or it was complete (a committed one was first so)."""
         job = self._job
-        if job is None or not job.stop:
-            return False
-        with self._lock:
-            c = self._confirmed
-        return job.wrote or job.committing or (c is not None and c.stopping
-                                               and c.checkpoint is not None)
+        return job is not None and job.stop and (job.wrote or job.committing)
 
     # -- images ---------------------------------------------------------------------------
     def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
