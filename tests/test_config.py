@@ -52,3 +52,17 @@ def test_default_grace_scales_with_short_limits():
     config = load_config({"time_limit": "20s"}, ["x"], environ={})
     assert config.grace_for(20) == 5
     assert config.grace_for(3600) == 60
+
+
+@pytest.mark.parametrize("option,value,says", [
+    ("interval", "0", "0 is no duration; to turn it off say off"),
+    ("hang_timeout", "0s", "0 is no duration; to turn it off say off"),
+    ("interval", "1ms", "at least 1s (a shorter one would checkpoint at every step)"),
+    ("hang_timeout", "2s", "at least 5s (the training reports its progress once a second"),
+])
+def test_a_zero_or_too_short_interval_or_hang_timeout_is_refused_with_the_reason(
+        option: str, value: str, says: str):
+    with pytest.raises(UsageError) as e:
+        load_config({option: value}, ["x"], environ={})
+    assert says in str(e.value), str(e.value)
+    assert load_config({option: "off"}, ["x"], environ={}).__getattribute__(option) is None

@@ -100,3 +100,24 @@ def test_loader_settings_no_resume_can_repeat_are_refused():
     for kwargs in ({"persistent_workers": True}, {"in_order": False}):
         with pytest.raises(UsageError, match=next(iter(kwargs))):
             check_loader(DataLoader(Noisy(), num_workers=1, **kwargs))
+
+
+# -- a loader that changed since the checkpoint ----------------------------------------------
+def test_a_changed_batch_size_passes_over_the_same_samples_or_is_refused():
+    from procckpt.training.loaders import loader_shape, map_position
+
+    saved = loader_shape(DataLoader(Noisy(320), batch_size=32))
+    assert saved == {"batch_size": 32, "batches": 10, "samples": 320}
+    same = loader_shape(DataLoader(Noisy(320), batch_size=32))
+    assert map_position(saved, same, 5) == (5, None)
+    halved = loader_shape(DataLoader(Noisy(320), batch_size=16))
+    skip, said = map_position(saved, halved, 5)
+    assert skip == 10 and said is not None
+    assert "from 32 to 16" in said and "passing over 10 batches of 16 (the 160 samples" in said
+    with pytest.raises(UsageError, match="160 samples are no whole number of batches of 48"):
+        map_position(saved, loader_shape(DataLoader(Noisy(320), batch_size=48)), 5)
+    longer = loader_shape(DataLoader(Noisy(400), batch_size=32))
+    skip, said = map_position(saved, longer, 5)
+    assert skip == 5 and "has 400 samples, 320 when the checkpoint was taken" in said
+    assert "not exact" in said
+    assert map_position(None, halved, 5) == (5, None)  # a checkpoint from before shapes were kept

@@ -62,9 +62,30 @@ def test_a_slow_checkpoint_widens_the_lead_and_says_the_grace_to_use():
     assert "ckpt-00000007 took 50.0s" in lead.warning and "pass --grace 78s" in lead.warning
 
 
-def test_the_lead_leaves_a_short_cycle_half_its_time():
+def test_the_lead_leaves_a_short_cycle_a_quarter_of_its_time():
     lead = deadline_lead(10.0, (50.0, "ckpt-00000001"), None, limit=60.0)
-    assert lead.seconds == 30.0 and "longer time limit" in lead.warning
+    assert lead.seconds == 45.0 and "longer time limit" in lead.warning
+
+
+def test_the_lead_covers_the_longest_stretch_between_safe_points():
+    # A 20 s validation pass between two steps of 0.1 s: a request arriving as it starts is
+    # seen 20 s later, so the deadline's checkpoint is asked for before that.
+    lead = deadline_lead(10.0, (0.4, "ckpt-00000002"), 0.1, limit=40.0, gap=20.5)
+    assert lead.seconds == pytest.approx(1.5 * 0.4 + 20.5 + 2)
+    assert "went 20s without a safe point" in lead.warning and "--grace 24s" in lead.warning
+    assert "ckpt-00000002 took" not in lead.warning  # the write is not what needs the time
+    before_any_checkpoint = deadline_lead(10.0, None, 0.1, gap=20.5)
+    assert before_any_checkpoint.seconds == pytest.approx(22.5)
+
+
+def test_a_need_just_above_the_grace_is_met_without_a_word():
+    # The old message: "asked for 2.0s before the end instead of the 2.0s grace".
+    lead = deadline_lead(2.0, (0.01, "ckpt-00000003"), 0.02)
+    assert lead.seconds == pytest.approx(2.0 + 0.015 + 0.02) and lead.warning is None
+    lead = deadline_lead(60.0, (2.0, "ckpt-00000003"), 0.5, gap=60.0)  # 65 s: within 10 %
+    assert lead.seconds == pytest.approx(1.5 * 2 + 60 + 2) and lead.warning is None
+    far = deadline_lead(2.0, (3.0, "ckpt-00000003"), 0.02)
+    assert far.warning is not None and "6.5s before the end, not 2.0s" in far.warning
 
 
 def test_slurms_kill_wait_shorter_than_a_checkpoint_is_said():
@@ -117,9 +138,9 @@ def test_the_tail_skips_a_line_cut_short_and_reads_it_once_complete(tmp_path: Pa
 def test_the_heartbeat_goes_through_the_control_dir(tmp_path: Path):
     training, launcher = ControlChannel(tmp_path, "tok"), ControlChannel(tmp_path, "tok")
     assert launcher.heartbeat() is None
-    training.beat(7)
+    training.beat(7, moves=12)
     beat = launcher.heartbeat()
-    assert beat is not None and beat.step == 7
+    assert beat is not None and beat.step == 7 and beat.moves == 12
     ControlChannel(tmp_path, "another cycle").beat(99)
     assert launcher.heartbeat().step == 7  # another cycle's heartbeat is not this one's
 
@@ -134,6 +155,26 @@ def test_hang_detection_starts_with_the_connection_and_measures_steps():
     assert hangs.step_seconds == pytest.approx(2.0) and hangs.last_step == 9
     assert hangs.stuck_for(1019.0 + 30) is None
     assert hangs.stuck_for(1019.0 + 31) == pytest.approx(31)
+
+
+def test_a_moving_stack_between_steps_is_progress_and_the_longest_gap_is_kept():
+    hangs = HangWatch(20.0)
+    hangs.observe(None, connected=True, now=0.0)
+    hangs.observe(Heartbeat(1, 0.0, moves=3), True, 1.0)
+    hangs.observe(Heartbeat(2, 0.0, moves=8), True, 2.0)
+    # A 30 s validation pass: no step, but the training moves.
+    for t in range(3, 33):
+        hangs.observe(Heartbeat(2, 0.0, moves=8 + t), True, float(t))
+        assert hangs.stuck_for(float(t) + 0.5) is None
+    hangs.observe(Heartbeat(3, 0.0, moves=50, gap=30.2), True, 33.0)
+    assert hangs.longest_gap == pytest.approx(30.2)
+    # Then stuck: neither the step nor the training moves again.
+    for t in range(34, 60):
+        hangs.observe(Heartbeat(3, 0.0, moves=50, gap=30.2), True, float(t))
+    assert hangs.stuck_for(53.0) is None and hangs.stuck_for(54.0) == pytest.approx(21.0)
+    hangs.start_cycle()  # the next cycle's process starts counting again: the run keeps it
+    hangs.observe(Heartbeat(1, 0.0, moves=1, gap=0.1), True, 70.0)
+    assert hangs.longest_gap == pytest.approx(30.2)
 
 
 def test_auto_hang_timeout_is_ten_minutes_or_fifty_steps():

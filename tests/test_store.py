@@ -107,7 +107,7 @@ def test_unusable_paths(tmp_path: Path):
         CheckpointStore("/proc/procckpt-test").open()
 
 
-def test_lock_held_by_live_process_is_refused_and_dead_one_taken_over(tmp_path: Path):
+def test_lock_held_by_live_process_is_refused_and_dead_one_taken_over(tmp_path: Path, caplog):
     store = CheckpointStore(tmp_path / "d").open()
     holder = subprocess.Popen(
         [sys.executable, "-c",
@@ -125,4 +125,10 @@ def test_lock_held_by_live_process_is_refused_and_dead_one_taken_over(tmp_path: 
     assert json.loads((store.root / "lock").read_text())["pid"] == holder.pid
     lock = store.lock()
     assert json.loads((store.root / "lock").read_text())["pid"] == os.getpid()
+    # Taken over in one line that names whose it was.
+    (line,) = [r.getMessage() for r in caplog.records if "taking over the lock" in r.getMessage()]
+    assert f"pid {holder.pid} on " in line and "ended without releasing it" in line, line
     lock.release()
+    caplog.clear()
+    store.lock().release()  # released cleanly before: nothing to say
+    assert "taking over" not in caplog.text

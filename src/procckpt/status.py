@@ -32,6 +32,11 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         lines.append(f"state:          running (pid {holder.get('pid')} on {holder.get('host')})")
     else:
         lines.append("state:          not running" + ("" if lock.exists() else " (never run)"))
+    history = list(read_events(store.events_path))
+    # How long each checkpoint took to become durable: a DMTCP image's manifest says it, the
+    # hooks engine's checkpoints are in the journal.
+    took = {e.get("checkpoint"): e.get("seconds") for e in history
+            if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))}
     rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
     for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
         try:
@@ -50,7 +55,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
             valid = "?"
         size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values())
         age = format_duration(now - manifest["time"]) if "time" in manifest else "-"
-        write = manifest.get("write_seconds")  # how long the engine took to write it
+        write = manifest.get("write_seconds", took.get(path.name))
         rows.append((path.name, str(manifest.get("step", "-")), str(manifest.get("epoch", "-")),
                      format_size(size), "-" if write is None else f"{write:.1f}s", age,
                      str(manifest.get("engine", "-")),
@@ -62,7 +67,6 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    history = list(read_events(store.events_path))
     restarts = sum(1 for e in history if e.get("event") == "restart")
     starts = sum(1 for e in history if e.get("event") == "start")
     hangs = sum(1 for e in history if e.get("event") == "hang")

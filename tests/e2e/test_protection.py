@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
@@ -63,15 +65,17 @@ def test_without_a_time_limit_the_rerun_after_a_sigkill_resumes_from_a_periodic_
         status.stdout
 
 
+@pytest.mark.parametrize("how,where", [("sleep", "stuck_waiting_for_data"),
+                                       ("lock", "stuck_on_a_lock")])
 def test_a_hung_script_is_caught_its_stacks_logged_and_it_resumes_to_the_same_result(
-        workdir: Path):
+        workdir: Path, how: str, where: str):
     args = ["--epochs", "10", "--step-sleep", "0.05"]
     expected = reference(workdir, *args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     started = time.monotonic()
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
                "--hang-timeout", "20s", "--term-timeout", "2s", "--", *TINY, *args,
-               "--hang-at-step", "50", "--out", str(out)], cwd=workdir)
+               "--hang-at-step", "50", "--hang-how", how, "--out", str(out)], cwd=workdir)
     took = time.monotonic() - started
     assert res.returncode == 0, res.stderr[-3000:]
     (hang,) = events(ckpt, "hang")
@@ -80,7 +84,7 @@ def test_a_hung_script_is_caught_its_stacks_logged_and_it_resumes_to_the_same_re
     assert 30 <= hang["step"] <= 49 and 20 <= hang["seconds"] <= 23, hang
     assert "no step completed for" in res.stderr and f"last step {hang['step']})" in res.stderr
     # faulthandler's dump of the stuck process names the function it is stuck in.
-    assert "stuck_waiting_for_data" in res.stderr, res.stderr[-3000:]
+    assert where in res.stderr, res.stderr[-3000:]
     assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
     resumed = [e for e in events(ckpt, "resume")]
     # From the last periodic checkpoint before the hang (one every second: ~20 steps apart).

@@ -29,6 +29,12 @@ def main() -> None:
                         help="exit 3 at this step (only on the first start)")
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="stop making progress after this step (only on the first start)")
+    parser.add_argument("--hang-how", choices=("sleep", "lock"), default="sleep",
+                        help="sleep forever, or block forever on a lock another thread holds")
+    parser.add_argument("--prepare-seconds", type=float, default=0.0,
+                        help="Python work after Checkpointer() before the loop (data prep)")
+    parser.add_argument("--validate-seconds", type=float, default=0.0,
+                        help="a validation pass of this long at the end of each epoch")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -41,6 +47,8 @@ def main() -> None:
     ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer,
                                  save_every=args.save_every)
     print(f"start step {ckpt.step} restart {os.environ.get('PROCCKPT_RESTART', '-')}", flush=True)
+    if args.prepare_seconds:
+        prepare_data(args.prepare_seconds)
     for _epoch in ckpt.epochs(args.epochs):
         for xb, yb in ckpt.batches(loader):
             loss = nn.functional.cross_entropy(model(xb), yb)
@@ -53,12 +61,54 @@ def main() -> None:
             print(f"step {ckpt.step + 1}", flush=True)
             if args.hang_at_step is not None and ckpt.step + 1 == args.hang_at_step \
                     and ckpt.restart == 0:
-                stuck_waiting_for_data()
+                stuck_waiting_for_data() if args.hang_how == "sleep" else stuck_on_a_lock()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+        if args.validate_seconds:
+            validate(model, x, args.validate_seconds)
     print("done", flush=True)
     if args.out:
         torch.save(model.state_dict(), args.out)
+
+
+def prepare_data(seconds: float) -> None:
+    """What tokenizing or building an index looks like: Python code, no safe point."""
+    end = time.monotonic() + seconds
+    vocab: dict[str, int] = {}
+    while time.monotonic() < end:
+        for word in "the quick brown fox jumps over the lazy dog".split():
+            vocab[word] = vocab.get(word, 0) + 1
+
+
+def validate(model: nn.Module, x: torch.Tensor, seconds: float) -> None:
+    """A long validation pass: batches through the model in eval mode, no random numbers
+    drawn (so the training's state is the same with or without it)."""
+    print("validating", flush=True)
+    model.eval()
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            for start in range(0, len(x), 16):
+                model(x[start:start + 16]).argmax(1)
+                time.sleep(0.002)
+    model.train()
+
+
+def stuck_on_a_lock() -> None:
+    """A deadlock: the lock's holder never lets go."""
+    import threading
+
+    lock, held = threading.Lock(), threading.Event()
+
+    def hold() -> None:
+        lock.acquire()
+        held.set()
+        time.sleep(3600)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    with lock:
+        pass
 
 
 def stuck_waiting_for_data() -> None:

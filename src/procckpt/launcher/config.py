@@ -66,19 +66,35 @@ def _duration(name: str) -> Callable[[Any], float]:
     return lambda v: parse_duration(v, what=f"{name.replace('_', '-')}")
 
 
-def _duration_or_auto(name: str) -> Callable[[Any], float | str | None]:
-    """A duration, ``auto`` or ``off``; off is None."""
+def _duration_or_auto(name: str, shortest: float) -> Callable[[Any], float | str | None]:
+    """A duration of at least ``shortest`` seconds, ``auto`` or ``off``; off is None."""
+    option = name.replace("_", "-")
+
     def convert(v: Any) -> float | str | None:
         text = str(v).strip().lower()
         if text == AUTO:
             return AUTO
-        if text in (OFF, "none", "0"):
+        if text in (OFF, "none"):
             return None
         try:
-            return parse_duration(v, what=name.replace("_", "-"))
+            seconds = parse_duration(v, what=option)
         except UsageError as e:
             raise UsageError(f"{e}; or auto, or off") from None
+        if seconds == 0:
+            raise UsageError(f"bad {option} {v!r}: 0 is no duration; to turn it off say off")
+        if seconds < shortest:
+            raise UsageError(f"bad {option} {v!r}: at least {shortest:g}s ({_SHORTEST_WHY[name]})"
+                             "; or auto, or off")
+        return seconds
     return convert
+
+
+#: Why the options taking a duration or auto have a floor.
+_SHORTEST_WHY = {
+    "interval": "a shorter one would checkpoint at every step",
+    "hang_timeout": "the training reports its progress once a second, so a shorter one "
+                    "would stop a healthy run",
+}
 
 
 def _int(name: str, minimum: int) -> Callable[[Any], int]:
@@ -126,9 +142,9 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "dir": lambda v: _dir(v),
     "time_limit": _duration("time_limit"),
     "grace": _duration("grace"),
-    "interval": _duration_or_auto("interval"),
+    "interval": _duration_or_auto("interval", 1.0),
     "mtbf": _duration("mtbf"),
-    "hang_timeout": _duration_or_auto("hang_timeout"),
+    "hang_timeout": _duration_or_auto("hang_timeout", 5.0),
     "max_restarts": _int("max_restarts", 0),
     "restart_on_failure": _bool("restart_on_failure"),
     "engine": _engine,

@@ -1,10 +1,12 @@
-"""How early the deadline's checkpoint is asked for: the given grace, or more if checkpoints take longer.
+"""How early the deadline's checkpoint is asked for: the given grace, or more if the training needs more.
 
-The launcher asks at ``deadline - max(grace, 1.5 x the longest recent time to durable + one
-step + 2 s)``: the request is seen at the next safe point, and a checkpoint that took 40 s
-last time may take longer this time. When that is more than the grace the user gave, the
-cycle's start says so, with the grace to use. Under Slurm the job is killed ``KillWait``
-seconds after its SIGTERM; a preemption gives no more warning than that.
+The request is seen at the next safe point, and that may be a while off: a step, or a
+validation pass and the epoch's end. So the launcher asks at ``deadline - max(grace, 1.5 x
+the longest recent time to durable + the longest stretch between two safe points + 2 s)``,
+both learned as the run goes (the journal's checkpoints, the heartbeat's steps). When that
+exceeds the grace the user gave by a margin that matters, the launcher says so once, with the
+grace to use. Under Slurm the job is killed ``KillWait`` seconds after its SIGTERM; a
+preemption gives no more warning than that.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ __all__ = ["Lead", "deadline_lead"]
 #: Safety factor on the longest recent time to durable, and a fixed margin on top.
 FACTOR = 1.5
 MARGIN = 2.0
+#: A need above the grace by less than this (seconds, or this share of the grace) is met
+#: without a word.
+SLACK = 1.0
+SLACK_SHARE = 0.1
+#: However much the training needs, the deadline's checkpoint is asked for at most this share
+#: of a cycle before its end, so that every cycle trains.
+MAX_SHARE = 0.75
 
 
 @dataclass(frozen=True)
@@ -32,13 +41,15 @@ class Lead:
 
 def deadline_lead(grace: float, durable: tuple[float, str] | None, step_seconds: float | None,
                   limit: float | None = None, kill_wait: float | None = None,
-                  signal_lead: float | None = None) -> Lead:
+                  signal_lead: float | None = None, gap: float | None = None) -> Lead:
     """The lead for a cycle, from the grace, the longest recent ``durable`` time (and which
-    checkpoint took it), the seconds per step, and the cycle's time ``limit``."""
-    if durable is None:
+    checkpoint took it), the seconds per step, the longest ``gap`` seen between two safe
+    points, and the cycle's time ``limit``."""
+    between = max(step_seconds or 0.0, gap or 0.0)
+    if durable is None and not gap:
         return Lead(grace)
-    took, name = durable
-    needed = FACTOR * took + (step_seconds or 0.0) + MARGIN
+    took, name = durable if durable is not None else (0.0, "")
+    needed = FACTOR * took + between + MARGIN
     notes = []
     if kill_wait is not None and took > kill_wait:
         notes.append(f"a preemption leaves only KillWait={kill_wait:g}s between Slurm's SIGTERM "
@@ -49,13 +60,20 @@ def deadline_lead(grace: float, durable: tuple[float, str] | None, step_seconds:
                      f"{math.ceil(needed)}s a checkpoint needs here: submit with "
                      f"--signal=B:USR1@{math.ceil(needed)} (procckpt sbatch --grace "
                      f"{math.ceil(needed)}s)")
-    if needed <= grace:
-        return Lead(grace, "; ".join(notes) if notes else None)
-    lead = needed if limit is None else min(needed, max(grace, limit / 2))
+    if needed <= grace + max(SLACK, SLACK_SHARE * grace):
+        return Lead(max(grace, needed), "; ".join(notes) if notes else None)
+    lead = needed if limit is None else min(needed, max(grace, MAX_SHARE * limit))
     use = math.ceil(needed)
-    notes.insert(0, f"checkpoint {name} took {took:.1f}s to become durable, so the deadline's "
-                    f"checkpoint is asked for {format_duration(lead)} before the end instead of "
-                    f"the {format_duration(grace)} grace: pass --grace {use}s to say so"
+    why = []
+    if took * FACTOR >= between:
+        why.append(f"checkpoint {name} took {took:.1f}s to become durable")
+    if gap is not None and gap >= 2 * (step_seconds or 0.0) and gap * 2 >= took * FACTOR:
+        why.append(f"the training went {gap:.0f}s without a safe point (a validation pass or "
+                   "an epoch's end, where a request waits)")
+    notes.insert(0, " and ".join(why or [f"a step takes {between:.1f}s"])
+                 + f", so the deadline's checkpoint is asked for {format_duration(lead)} before "
+                 f"the end, not {format_duration(grace)} (the grace): pass --grace {use}s to "
+                 "say so"
                  + ("" if lead >= needed else
                     f" (and a longer time limit: a cycle of {format_duration(limit or 0)} "
                     "cannot spare that)"))

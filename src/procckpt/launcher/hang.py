@@ -1,8 +1,10 @@
-"""Hang detection: no step completed for ``--hang-timeout`` means the training is stuck.
+"""Hang detection: no progress for ``--hang-timeout`` means the training is stuck.
 
-The training's safe points are its heartbeat: the hooks engine passes the step reached to the
-launcher (``control/heartbeat.json``, at most every second). When the step has not moved for
-the timeout, the launcher has every Python process of the command print its stacks into the
+Progress is a step completed or the training thread's stack seen to move: the hooks engine
+passes both to the launcher (``control/heartbeat.json``, at most every second; see
+training/liveness.py), so a validation pass or data preparation that runs Python code between
+safe points is no hang, and a thread blocked in a lock, a collective, a read or a sleep is.
+When neither has moved for the timeout, the launcher has every Python process of the command print its stacks into the
 log (``faulthandler`` on SIGURG, registered by the Checkpointer; ``py-spy dump`` too when it
 is installed), stops the command and restarts it from its last checkpoint. ``auto`` is
 ``max(10 min, 50 x the median step time)``. In a process group any stuck rank stops rank 0 at
@@ -38,10 +40,13 @@ class HangWatch:
     def __init__(self, setting: float | str | None) -> None:
         self.setting = setting
         self._step_times: deque[float] = deque(maxlen=50)
+        self._longest_gap: float | None = None
         self.start_cycle()
 
     def start_cycle(self) -> None:
         self._last: tuple[int, float] | None = None  # (step, when it was seen to change)
+        self._moves: int | None = None  # the heartbeat's count of stack moves
+        self._moved = 0.0  # when a step or a move was last seen
 
     @property
     def enabled(self) -> bool:
@@ -66,18 +71,32 @@ class HangWatch:
         if beat is None:
             if connected and self._last is None:
                 self._last = (-1, now)
+                self._moved = now
             return
         if self._last is None or beat.step != self._last[0]:
             if self._last is not None and self._last[0] >= 0 and beat.step > self._last[0]:
                 self._step_times.append((now - self._last[1]) / (beat.step - self._last[0]))
             self._last = (beat.step, now)
+            self._moved = now
+        if beat.moves != self._moves:
+            self._moves = beat.moves
+            self._moved = now
+        if beat.gap > (self._longest_gap or 0.0):
+            self._longest_gap = beat.gap
+
+    @property
+    def longest_gap(self) -> float | None:
+        """The longest time the training went between two safe points (a step and what
+        follows it: a validation pass, the epoch's end), in any cycle of this run; None
+        before it was measured."""
+        return self._longest_gap
 
     def stuck_for(self, now: float) -> float | None:
         """Seconds without progress, once that is longer than the timeout; else None."""
         timeout = self.timeout
         if timeout is None or self._last is None:
             return None
-        quiet = now - self._last[1]
+        quiet = now - self._moved
         return quiet if quiet > timeout else None
 
     @property

@@ -6,7 +6,8 @@ training (the pause ``C``, see costs.py) and the expected time between failures 
 the work lost to a failure plus the time spent checkpointing. Two floors keep it sane: the
 checkpoints take at most 1 % of the run (``100 C``), and a checkpoint never waits for the
 previous one's write (twice the time to durable). Until a checkpoint was measured, ``C`` is
-taken as 1 s, and the first periodic checkpoint comes within 5 minutes of the start.
+taken as 1 s, and the first periodic checkpoint comes 30 s after the start: a run killed in its
+first minute loses at most that.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["Period", "choose_period", "young_daly"]
 
 #: The cost assumed before one was measured, and the latest a first measurement comes.
 ASSUMED_PAUSE = 1.0
-FIRST_AUTO_MAX = 300.0
+FIRST_AUTO_MAX = 30.0
 #: The share of the run that periodic checkpoints may take at most.
 MAX_OVERHEAD = 0.01
 

@@ -30,7 +30,9 @@ class CheckpointPlan:
         self.costs = CheckpointCosts(journal)
         self.period = Period(None, "not planned yet")
         self._step_seconds: float | None = None
+        self._gap: float | None = None
         self._planned = False
+        self._warned: float | None = None  # the lead last said to exceed the grace
 
     @property
     def lead(self) -> Lead:
@@ -39,23 +41,28 @@ class CheckpointPlan:
         return deadline_lead(self.config.grace_for(limit), self.costs.longest_durable,
                              self._step_seconds, limit,
                              getattr(self.deadline, "kill_wait", None),
-                             getattr(self.deadline, "signal_lead", None))
+                             getattr(self.deadline, "signal_lead", None), self._gap)
 
-    def refresh(self, step_seconds: float | None, *, warn_cycle: int | None = None) -> bool:
+    def refresh(self, step_seconds: float | None, gap: float | None = None, *,
+                warn_cycle: int | None = None) -> bool:
         """Read the journal's new checkpoints and plan again; True if the period changed.
 
         Args:
             step_seconds: the training's seconds per step, where known (hang.py measures it).
-            warn_cycle: at a cycle's start: say (and journal) a grace too short for the costs.
+            gap: the longest time between two safe points in a row, where known (hang.py).
+            warn_cycle: at a cycle's start: say (and journal) a grace too short for the costs,
+                once (again only when the lead grew by a tenth since).
         """
         costs = self.costs
         self._step_seconds = step_seconds
+        self._gap = gap
         if not costs.update() and warn_cycle is None and self._planned:
             return False
         durable = costs.longest_durable
         if warn_cycle is not None:
             lead = self.lead
-            if lead.warning:
+            if lead.warning and (self._warned is None or lead.seconds > 1.1 * self._warned):
+                self._warned = lead.seconds
                 logger.warning("%s", lead.warning)
                 append_event(self.journal, "grace-short", lead=round(lead.seconds, 3),
                              message=lead.warning, cycle=warn_cycle)

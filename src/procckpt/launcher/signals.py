@@ -7,7 +7,10 @@
     SIGUSR1         the same: checkpoint now, then stop. Default of --checkpoint-signal, which
                     `procckpt sbatch` asks Slurm to send (`--signal=B:USR1@grace`)
     SIGUSR2         checkpoint now and keep training (a snapshot on demand)
-    SIGINT, SIGHUP  forwarded to the command's process group; a second SIGINT kills it
+    SIGINT          Ctrl-C: checkpoint at the next safe point, then stop (exit 75, resumable);
+                    a second one kills the command at once. Forwarded instead to a command
+                    that never connected to procckpt (it has nothing to save)
+    SIGHUP          forwarded to the command's process group
     SIGCONT         forwarded (Slurm sends it with SIGTERM to wake suspended jobs)
 
 USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
@@ -34,6 +37,7 @@ class Action(enum.Enum):
     CHECKPOINT_STOP = "checkpoint-stop"
     CHECKPOINT = "checkpoint"
     FORWARD = "forward"
+    INTERRUPT = "interrupt"  # Ctrl-C: the first checkpoints and stops, a second kills
 
 
 def signal_actions(checkpoint_signal: str) -> dict[int, Action]:
@@ -42,7 +46,7 @@ def signal_actions(checkpoint_signal: str) -> dict[int, Action]:
         signal.SIGTERM: Action.CHECKPOINT_STOP,
         signal.SIGUSR1: Action.CHECKPOINT_STOP,
         signal.SIGUSR2: Action.CHECKPOINT,
-        signal.SIGINT: Action.FORWARD,
+        signal.SIGINT: Action.INTERRUPT,
         signal.SIGHUP: Action.FORWARD,
         signal.SIGCONT: Action.FORWARD,
     }

@@ -98,6 +98,9 @@ class Supervisor:
         append_event(self.store.events_path, "start", argv=self.config.command,
                      engine=self.engine.name, deadline=self.deadline.source, restart=restarts,
                      job_id=os.environ.get("SLURM_JOB_ID"))
+        logger.info("checkpoint dir %s: the command %s", self.store.root,
+                    self._resumes_from().replace("(no checkpoint yet)",
+                                                 "(nothing was saved there yet)"))
         room = self.store.room_shortfall()
         if room is not None:
             logger.warning("%s", room)
@@ -165,8 +168,10 @@ class Supervisor:
             step = outcome.confirmed.progress if outcome.confirmed else None
             if step is None or (last_step is not None and step <= last_step):
                 stalled += 1
-                logger.warning("cycle %d ended without a new checkpoint; the next cycle %s",
-                               self.cycles, self._resumes_from())
+                logger.warning("cycle %d %s; the next cycle %s", self.cycles,
+                               "ended without a checkpoint" if step is None else
+                               "made no progress: its checkpoint is no further than the one "
+                               "before it", self._resumes_from())
             else:
                 stalled = 0
                 last_step = step
@@ -278,7 +283,8 @@ class Supervisor:
         if notify_started is not None:
             notify_started(child.pid)
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
-        self.plan.refresh(self.hangs.step_seconds, warn_cycle=self.cycles)
+        self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,
+                          warn_cycle=self.cycles)
         logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
                     child.pid, self.deadline.source,
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"

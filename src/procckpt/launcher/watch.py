@@ -114,15 +114,27 @@ class CycleWatch:
         action = self.actions.get(signum)
         name = signal.Signals(signum).name
         outcome = self.outcome
-        if action is Action.FORWARD:
-            self.sigints += signum == signal.SIGINT
+        if action is Action.INTERRUPT:
+            self.sigints += 1
             if self.sigints >= 2:
-                logger.warning("second SIGINT: killing the command")
+                logger.warning("second Ctrl-C (SIGINT): killing the command now")
                 self.child.kill_leftovers()
-            else:
+            elif self.stop is None and self._connected():
+                logger.warning("Ctrl-C (SIGINT): checkpoint at the next safe point, then stop "
+                               "(run the same command again to resume); Ctrl-C again to kill "
+                               "the command now")
+                outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
+                self._begin_stop(name, now)
+            elif self.stop is None:  # nothing to save: the command's own business
                 self.child.signal(signum)
-                if signum != signal.SIGCONT:
-                    outcome.forwarded.append(name)
+                outcome.forwarded.append(name)
+            else:
+                logger.warning("Ctrl-C (SIGINT): a checkpoint is already being taken before "
+                               "the stop; Ctrl-C again to kill the command now")
+        elif action is Action.FORWARD:
+            self.child.signal(signum)
+            if signum != signal.SIGCONT:
+                outcome.forwarded.append(name)
         elif action is Action.CHECKPOINT_STOP and self.stop is None:
             outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
             self._begin_stop(name, now)
@@ -143,12 +155,13 @@ class CycleWatch:
             if self.interval_seq is not None and \
                     self.engine.confirmation(self.interval_seq) is not None:
                 self.interval_seq = None
-            if self.stop is None and self.interval_seq is None and self._connected():
+            if self.stop is None and self.interval_seq is None and self._connected() \
+                    and self.store.completion() is None:  # none after training finished
                 self.interval_seq = self._trigger("checkpoint", "interval")
 
     def _learn(self) -> None:
         """Follow the journal: a measured checkpoint may change the period and the lead."""
-        if self.plan.refresh(self.hangs.step_seconds):
+        if self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap):
             period = self.plan.period.seconds
             self.next_interval = self.interval_from + period if period is not None else None
 
@@ -157,18 +170,21 @@ class CycleWatch:
         return self.outcome.connected
 
     def _check_hang(self, now: float) -> int | None:
-        """Stop a command whose steps stopped, after printing its stacks; its exit code."""
+        """Stop a command that stopped making progress, after printing its stacks; its exit
+        code. The heartbeat is followed with the hang detection off too: it measures the
+        longest stretch between safe points, which the deadline's lead must cover."""
         progress = getattr(self.engine, "progress", None)
-        if not self.hangs.enabled or progress is None:
+        if progress is None:
             return None
         self.hangs.observe(progress(), self._connected(), now)
         quiet = self.hangs.stuck_for(now)
         if quiet is None:
             return None
         step = self.hangs.last_step
-        logger.error("no step completed for %s (%s); the training looks stuck: the stacks of "
-                     "its processes follow, then it is stopped and restarted from its last "
-                     "checkpoint", format_duration(quiet),
+        logger.error("no step completed for %s and the training thread's stack did not move "
+                     "(%s): the training looks stuck. The stacks of its processes follow, then "
+                     "it is stopped and restarted from its last checkpoint",
+                     format_duration(quiet),
                      "before its first step" if step is None else f"last step {step}")
         append_event(self.store.events_path, "hang", step=step, seconds=round(quiet, 3),
                      timeout=self.hangs.timeout, cycle=self.cycle)

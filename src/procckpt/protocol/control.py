@@ -9,8 +9,9 @@ training process polls it at its safe points: a ``stat`` every few hundred milli
     launcher                                   training process (procckpt.Checkpointer)
     --------                                   ----------------------------------------
     env PROCCKPT_TOKEN=<cycle token>    ->     writes control/hello-<token>.json at start
-                                        <-     control/heartbeat.json {token, step, time}, at
-                                               most every second while steps complete
+                                        <-     control/heartbeat.json {token, step, moves,
+                                               gap, time}, at most every second while the
+                                               step or the training thread moves
     control/request.json {seq, action}  ->     at the next safe point: save (and exit)
                                         <-     control/ack.json {token, seq, checkpoint, stopping}
     SIGURG to the process group         ->     every Python process prints its stacks (hangs)
@@ -72,10 +73,14 @@ class Ack:
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """The training's last word that it is making progress: the step it reached, and when."""
+    """The training's last word that it is making progress: the step it reached, how often
+    it was seen to move (training/liveness.py), the longest stretch between two of its safe
+    points so far, and when."""
 
     step: int
     time: float  # wall clock, seconds since the epoch
+    moves: int = 0
+    gap: float = 0.0
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -132,7 +137,9 @@ class ControlChannel:
             data = _read_json(self.heartbeat_path)
             if data and data.get("token") == self.token:
                 try:
-                    self._beat = Heartbeat(int(data["step"]), float(data["time"]))
+                    self._beat = Heartbeat(int(data["step"]), float(data["time"]),
+                                           int(data.get("moves", 0)),
+                                           float(data.get("gap", 0.0)))
                 except (KeyError, TypeError, ValueError):
                     pass
         return self._beat
@@ -149,9 +156,11 @@ class ControlChannel:
         info = {"pid": os.getpid(), "time": time.time(), **fields}
         write_file_atomic(self.dir / f"hello-{self.token}.json", json.dumps(info).encode())
 
-    def beat(self, step: int) -> None:
-        """Say that ``step`` was reached (not fsynced: it only says how things are now)."""
-        info = {"token": self.token, "step": step, "time": time.time()}
+    def beat(self, step: int, moves: int = 0, gap: float = 0.0) -> None:
+        """Say that ``step`` was reached, the training moved ``moves`` times and went ``gap``
+        seconds at most between safe points (not fsynced: it only says how things are now)."""
+        info = {"token": self.token, "step": step, "moves": moves, "gap": gap,
+                "time": time.time()}
         write_file_atomic(self.heartbeat_path, json.dumps(info).encode(), durable=False)
 
     def poll(self) -> Request | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -58,6 +59,7 @@ class DirLock:
                 f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
                 "or use another --dir"
             ) from e
+        self._say_taken_over(fd)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
                 "purpose": purpose}
         try:  # who holds it, for messages; the flock alone is the lock (a full disk keeps it)
@@ -68,6 +70,22 @@ class DirLock:
                            self.path, e.strerror)
         self._fd = fd
 
+    def _say_taken_over(self, fd: int) -> None:
+        """A holder's note still in the file means it ended without releasing (killed): the
+        kernel dropped its lock; say whose lock this process takes over."""
+        try:
+            note = json.loads(os.pread(fd, 4096, 0) or b"null")
+        except (OSError, ValueError):
+            return
+        if not isinstance(note, dict) or "pid" not in note:
+            return
+        since = note.get("since")
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) \
+            if isinstance(since, (int, float)) else "an unknown time"
+        logger.warning("taking over the lock of %s: held by %s pid %s on %s since %s, which "
+                       "ended without releasing it (killed?)", self.path.parent,
+                       note.get("purpose", "a run"), note.get("pid"), note.get("host", "?"), when)
+
     def holder(self) -> dict[str, Any] | None:
         try:
             holder = json.loads(read_small_file(self.path) or b"null")
@@ -77,6 +95,8 @@ class DirLock:
 
     def release(self) -> None:
         if self._fd is not None:
+            with contextlib.suppress(OSError):  # a released lock leaves no holder's note
+                os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None

@@ -14,8 +14,10 @@ end of each epoch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
@@ -25,13 +27,12 @@ from ..log import setup_logging
 from ..protocol import control as ctl
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
-from .io.mapped import private_copy
 from .context import DEFAULT_DIR, LaunchContext, default_dir
-from .payload import (Stateful, build_payload, checkpoint_meta, collect_statefuls,
-                      load_statefuls)
+from .liveness import Liveness, NoLiveness
+from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .member import CheckpointerAsMember
 from .progress import Progress
-from .resume import announce_resume, load_newest_verified, single_process_view
+from .resume import apply_payload, load_newest_verified, resume_newest
 from .saving import Saves, background_savers
 from .triggers import SaveTriggers
 
@@ -125,6 +126,9 @@ class Checkpointer:
                 control, polls_control=dist_.polls_control(self.rank), answers=self.is_writer,
                 interval=interval, save_best=save_best, metric_mode=metric_mode,
                 save_every=save_every if save_every is not None else (None if token else 1))
+            #: Rank 0's heartbeat for the launcher's hang detection (launched runs only).
+            self._liveness = Liveness(control, threading.current_thread()) \
+                if control is not None and self.is_writer else NoLiveness()
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
             self._in_batch = False
@@ -142,8 +146,11 @@ class Checkpointer:
                 self._lock = self.store.lock(purpose="training script")
                 self.store.clean_temporaries()
             self._triggers.install_signal_handlers()
+            self._liveness.start()  # from here on a long preparation is no hang
             try:
-                self.resumed_from = self._resume()
+                with self._liveness.working():
+                    self.resumed_from = self._resume()
+                self._liveness.step = self.step
             except BaseException:
                 self.close()  # a refused checkpoint must not leave the dir locked by a dead object
                 raise
@@ -287,6 +294,17 @@ class Checkpointer:
         """Ask for a checkpoint at the next safe point (and to exit after it with ``stop``)."""
         self._triggers.ask(stop, reason)
 
+    def alive(self) -> None:
+        """Tell ``procckpt run``'s hang detection that the training is making progress (it
+        sees Python code run between safe points by itself; see :meth:`working`)."""
+        self._liveness.alive()
+
+    def working(self) -> contextlib.AbstractContextManager[None]:
+        """A block that counts as progress for ``procckpt run``'s hang detection however long
+        it sits in one native call (``with ckpt.working(): build_index_in_c(corpus)``). A
+        hang inside it is not caught: keep it around the long call alone."""
+        return self._liveness.working()
+
     def save(self, reason: str = "manual") -> CheckpointInfo | None:
         """Save now. Call only between steps (on every rank in a process group); the loops
         above do it for you.
@@ -296,7 +314,8 @@ class Checkpointer:
                 uncaught, it ends the process with exit code 74 and no traceback).
         """
         try:
-            return self._saves.pruned(self._save(reason))
+            with self._liveness.working():
+                return self._saves.pruned(self._save(reason))
         except ProcckptError as e:
             raise logged_exit(e, logger) from e.__cause__
 
@@ -315,6 +334,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a checkpoint in flight, then release the checkpoint dir (done
         automatically when the process exits)."""
+        self._liveness.close()
         try:
             if self._background is not None:
                 self._background.close()
@@ -334,7 +354,7 @@ class Checkpointer:
 
     def _payload(self, exclude: set[str] | None = None) -> dict[str, Any]:
         progress = {"epoch": self.epoch, "batch": self.batch, "step": self.step,
-                    "best_metric": self.best_metric}
+                    "best_metric": self.best_metric, "loader": self._progress.loader_shape}
         return build_payload(self._statefuls, progress, self._progress.saved_state(),
                              self.extras, exclude)
 
@@ -344,46 +364,11 @@ class Checkpointer:
 
     # -- resuming --------------------------------------------------------------------------
     def _resume(self) -> CheckpointInfo | None:
-        started = time.monotonic()
-        if self._dist is not None:
-            loaded = self._dist.load_latest(self._member)  # collective; the payload is read plainly
-            if loaded is not None:
-                loaded = loaded[0], self._apply(*loaded)
-        elif not self.is_writer and not self.store.ckpt_root.is_dir():
-            return None
-        else:
-            loaded = self._load_latest()  # verified, memory-mapped and applied
-        if loaded is None:
-            return None
-        info, mapped = loaded
-        # What procckpt keeps of the payload gets memory of its own; the rest stays mapped.
-        payload = private_copy({k: mapped.get(k) for k in ("progress", "extras", "rng",
-                                                            "epoch_rng", "loader_state")})
-        del mapped
-        self._progress.resume(payload["progress"], payload["rng"], payload["epoch_rng"],
-                              payload.get("loader_state"))
-        self.best_metric = payload["progress"].get("best_metric")
-        self.extras = dict(payload.get("extras") or {})
-        self._saves.saved_at = self._progress.position
-        saved_restart = info.manifest.get("restart")
-        if isinstance(saved_restart, int):  # a rerun by hand is a restart too
-            self.restart = max(self.restart, saved_restart + 1)
-        self._saves.last = info
-        self.restore_seconds = time.monotonic() - started
-        announce_resume(self.store if self.is_writer else None, info, self._progress.position,
-                        self.restart, self.restore_seconds)
-        return info
+        return resume_newest(self)
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
-        return load_newest_verified(self.store, self._apply)
-
-    def _apply(self, info: CheckpointInfo, payload: dict[str, Any]) -> dict[str, Any]:
-        """Load the statefuls from a (possibly memory-mapped) payload; return the payload,
-        its position rescaled if it was written by another number of ranks."""
-        if self._dist is None:
-            payload = single_process_view(info, payload, self._statefuls, self.allow_reshard)
-        load_statefuls(info, payload, self._statefuls)
-        return payload
+        return load_newest_verified(self.store, lambda info, payload: apply_payload(
+            self, info, payload))
 
     # -- safe points -----------------------------------------------------------------------
     def _safe_point(self, epoch_end: bool = False) -> None:
@@ -391,7 +376,14 @@ class Checkpointer:
         now = time.monotonic()
         self._saves.reserve_ahead(self._payload, self._member)  # once, after the first step
         triggers.poll(now)
-        triggers.beat(now, self.step)
+        self._liveness.at_safe_point(self.step, now)  # the gap since the last one, measured
+        try:
+            self._act_at_safe_point(now, epoch_end)
+        finally:
+            self._liveness.left_safe_point()
+
+    def _act_at_safe_point(self, now: float, epoch_end: bool) -> None:
+        triggers = self._triggers
         flags = triggers.wanted(now, epoch_end, self.epoch)
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
@@ -406,6 +398,11 @@ class Checkpointer:
         if reason is None:
             return
         triggers.best_pending = False
+        with self._liveness.working():  # procckpt's own work is no hang of the training
+            self._checkpoint(reason)
+
+    def _checkpoint(self, reason: str) -> None:
+        triggers = self._triggers
         if triggers.stop_reason is None and self._saves.in_background(
                 reason, self._progress.position, self._meta, self._payload, self._member):
             return  # acknowledged once durable (a group's once every rank's part is)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import torch
 
 from ..protocol.events import append_event
-from .loaders import check_loader, loader_generators, open_at
+from .loaders import check_loader, loader_generators, loader_shape, map_position, open_at
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 
 __all__ = ["Progress", "STREAMS_MOVED"]
@@ -76,6 +76,10 @@ class Progress:
         self._pending_skip: int | None = None
         #: The state of a stateful loader (``state_dict()``) at the checkpoint resumed from.
         self._resume_loader_state: Any = None
+        #: The shape of the loader a checkpoint was taken in (batch size, batches, samples),
+        #: and of the one in use now: a resume compares them (loaders.map_position).
+        self._resume_shape: dict[str, Any] | None = None
+        self.loader_shape: dict[str, Any] | None = None
         self._stateful_loader: Any = None
         #: The global random streams right after a resume, until the first loop checks them.
         self.streams_at_resume: tuple[Any, ...] | None = None
@@ -106,6 +110,7 @@ class Progress:
             self._epoch_rng = epoch_rng
             self._pending_skip = self.batch
         self._resume_loader_state = loader_state
+        self._resume_shape = progress.get("loader")
         self.streams_at_resume = global_streams()
 
     def check_streams(self, journal: Path | None) -> None:
@@ -181,12 +186,19 @@ class Progress:
         stateful = (loader if callable(getattr(loader, "state_dict", None))
                     and callable(getattr(loader, "load_state_dict", None)) else None)
         self._stateful_loader = stateful
+        shape, saved_shape, self._resume_shape = loader_shape(loader), self._resume_shape, None
+        self.loader_shape = shape
         started = time.monotonic()
         if stateful is not None and self._resume_loader_state is not None:
             stateful.load_state_dict(self._resume_loader_state)
             iterator = iter(loader)
             how = "restored the loader's own state (nothing read again)"
         else:
+            skip, changed = map_position(saved_shape, shape, skip)
+            if changed:
+                logger.warning("%s", changed)
+                if journal is not None:
+                    append_event(journal, "warning", step=self.step, message=changed)
             iterator, how = open_at(loader, skip)
         self._resume_loader_state = None
         if skip:

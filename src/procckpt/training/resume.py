@@ -17,10 +17,11 @@ from ..errors import CheckpointCorruptError, CheckpointReadError
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, read_with_retries
 from . import distributed as dist_
-from .io.mapped import MappedVerification
-from .payload import PAYLOAD, Stateful, read_payload
+from .io.mapped import MappedVerification, private_copy
+from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
 
-__all__ = ["load_newest_verified", "single_process_view", "announce_resume"]
+__all__ = ["load_newest_verified", "single_process_view", "announce_resume", "resume_newest",
+           "apply_payload"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +88,11 @@ def announce_resume(store: CheckpointStore | None, info: CheckpointInfo,
     if store is not None:
         append_event(store.events_path, "resume", checkpoint=info.name, step=step, epoch=epoch,
                      batch=batch, restart=restart, bytes=info.nbytes, seconds=round(seconds, 4))
-    logger.info("resumed from %s: epoch %d, batch %d, step %d (restart %d); %.1f MB restored "
-                "in %.2fs", info.name, epoch, batch, step, restart, info.nbytes / 1e6, seconds)
+    # A steps() loop counts steps alone: its epoch and batch stay 0.
+    where = f"step {step}" if (epoch, batch) == (0, 0) and step else \
+        f"epoch {epoch}, batch {batch}, step {step}"
+    logger.info("resumed from %s: %s (restart %d); %.1f MB restored in %.2fs", info.name, where,
+                restart, info.nbytes / 1e6, seconds)
 
 
 def single_process_view(info: CheckpointInfo, payload: dict[str, Any],
@@ -102,4 +106,48 @@ def single_process_view(info: CheckpointInfo, payload: dict[str, Any],
         payload = dist_.rescale_position(payload, saved_world, 1)
     dist_.load_sharded(statefuls, info.path, list(info.manifest.get("sharded") or []),
                        use_group=False)
+    return payload
+
+
+def resume_newest(ck: Any) -> CheckpointInfo | None:
+    """Restore Checkpointer ``ck`` from its newest verified checkpoint (in a group, the one
+    every rank has); None when there is none to resume."""
+    started = time.monotonic()
+    if ck._dist is not None:
+        loaded = ck._dist.load_latest(ck._member)  # collective; the payload is read plainly
+        if loaded is not None:
+            loaded = loaded[0], apply_payload(ck, *loaded)
+    elif not ck.is_writer and not ck.store.ckpt_root.is_dir():
+        return None
+    else:
+        loaded = ck._load_latest()  # verified, memory-mapped and applied
+    if loaded is None:
+        return None
+    info, mapped = loaded
+    # What procckpt keeps of the payload gets memory of its own; the rest stays mapped.
+    payload = private_copy({k: mapped.get(k) for k in ("progress", "extras", "rng",
+                                                        "epoch_rng", "loader_state")})
+    del mapped
+    ck._progress.resume(payload["progress"], payload["rng"], payload["epoch_rng"],
+                        payload.get("loader_state"))
+    ck.best_metric = payload["progress"].get("best_metric")
+    ck.extras = dict(payload.get("extras") or {})
+    ck._saves.saved_at = ck._progress.position
+    saved_restart = info.manifest.get("restart")
+    if isinstance(saved_restart, int):  # a rerun by hand is a restart too
+        ck.restart = max(ck.restart, saved_restart + 1)
+    ck._saves.last = info
+    ck.restore_seconds = time.monotonic() - started
+    # Launched, the restart the launcher counts (its own lines say the same number).
+    announce_resume(ck.store if ck.is_writer else None, info, ck._progress.position,
+                    ck._context.restart if ck.launched else ck.restart, ck.restore_seconds)
+    return info
+
+
+def apply_payload(ck: Any, info: CheckpointInfo, payload: dict[str, Any]) -> dict[str, Any]:
+    """Load Checkpointer ``ck``'s statefuls from a (possibly memory-mapped) payload; return
+    the payload, its position rescaled if it was written by another number of ranks."""
+    if ck._dist is None:
+        payload = single_process_view(info, payload, ck._statefuls, ck.allow_reshard)
+    load_statefuls(info, payload, ck._statefuls)
     return payload

@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 #: How often a safe point looks at the control directory for a launcher's request.
 POLL_SECONDS = 0.2
-#: How often, at most, the launcher is told the step reached (its hang detection reads it).
-HEARTBEAT_SECONDS = 1.0
 
 
 class SaveTriggers:
@@ -57,8 +55,6 @@ class SaveTriggers:
         self.best_pending = False
         self.last_save = time.monotonic()
         self._next_poll = 0.0
-        self._next_beat = 0.0
-        self._beat_failed = False
 
     def report_metric(self, value: float) -> bool:
         """Note a validation metric; True if it is the best so far (then, with ``save_best``,
@@ -107,20 +103,6 @@ class SaveTriggers:
             if request.action == ctl.ACTION_STOP:
                 self.stop_reason = request.reason
             self.request = request
-
-    def beat(self, now: float, step: int) -> None:
-        """Tell the launcher that ``step`` was reached, at most every :data:`HEARTBEAT_SECONDS`."""
-        if self.control is None or not self.answers or now < self._next_beat:
-            return
-        self._next_beat = now + HEARTBEAT_SECONDS
-        try:
-            self.control.beat(step)
-        except OSError as e:
-            if not self._beat_failed:  # say it once: the launcher then cannot see hangs
-                self._beat_failed = True
-                logger.warning("cannot tell procckpt run the step reached (%s: %s); its hang "
-                               "detection is blind until this passes", self.control.dir,
-                               e.strerror or e)
 
     def wanted(self, now: float, epoch_end: bool, epoch: int) -> Flags | None:
         """What this rank would save for at this safe point; None for nothing (and no object

@@ -1,0 +1,116 @@
+"""The training side of hang detection (training/liveness.py): a real sampler thread watching
+a real thread that computes, blocks on a lock, or sleeps; the heartbeat read back as the
+launcher reads it."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+from procckpt.protocol.control import ControlChannel
+from procckpt.training.liveness import SAMPLE_SECONDS, Liveness
+
+
+def watch(tmp_path: Path, body, seconds: float = 2.0) -> tuple[int, int]:
+    """Run ``body(stop)`` in a thread under a Liveness for ``seconds``; the moves counted
+    while it ran, and the moves the launcher read from the last heartbeat."""
+    stop = threading.Event()
+    thread = threading.Thread(target=body, args=(stop,), daemon=True)
+    thread.start()
+    liveness = Liveness(ControlChannel(tmp_path, "tok"), thread)
+    time.sleep(0.3)  # the thread has reached what it does for the rest of the time
+    liveness.start()
+    try:
+        time.sleep(seconds)
+        moves = liveness.moves
+    finally:
+        liveness.close()
+        stop.set()
+    beat = ControlChannel(tmp_path, "tok").heartbeat()
+    return moves, beat.moves if beat is not None else 0
+
+
+def evaluating(stop: threading.Event) -> None:
+    """Python code between safe points: an evaluation loop."""
+    total = 0
+    while not stop.is_set():
+        for i in range(1000):
+            total += sum(range(i % 50))
+
+
+def test_a_thread_running_python_code_moves(tmp_path: Path):
+    moves, said = watch(tmp_path, evaluating)
+    assert moves >= 0.6 * 2.0 / SAMPLE_SECONDS and said > 0, (moves, said)
+
+
+def test_a_loop_that_waits_at_the_same_line_each_round_moves(tmp_path: Path):
+    # Nearly every sample finds it in the same call (a short sleep, as a read or a device
+    # sync would be), but it wakes again and again.
+    def waiting_each_round(stop: threading.Event) -> None:
+        while not stop.is_set():
+            time.sleep(0.002)
+
+    moves, said = watch(tmp_path, waiting_each_round)
+    assert moves >= 0.6 * 2.0 / SAMPLE_SECONDS and said > 0, (moves, said)
+
+
+def test_a_thread_blocked_on_a_lock_or_sleeping_does_not_move(tmp_path: Path):
+    lock = threading.Lock()
+    lock.acquire()
+
+    def blocked(stop: threading.Event) -> None:
+        with lock:
+            pass
+
+    assert watch(tmp_path, blocked) == (0, 0)
+    lock.release()
+
+    def sleeping(stop: threading.Event) -> None:
+        time.sleep(3600)
+
+    assert watch(tmp_path, sleeping) == (0, 0)
+
+
+def test_working_counts_a_long_native_call_as_progress(tmp_path: Path):
+    liveness_box: list[Liveness] = []
+
+    def in_one_call(stop: threading.Event) -> None:
+        while not liveness_box:
+            time.sleep(0.01)
+        with liveness_box[0].working():
+            stop.wait()  # one call, as a kernel or a blocking library call would be
+
+    stop = threading.Event()
+    thread = threading.Thread(target=in_one_call, args=(stop,), daemon=True)
+    thread.start()
+    liveness = Liveness(ControlChannel(tmp_path, "tok"), thread)
+    liveness_box.append(liveness)
+    liveness.start()
+    try:
+        time.sleep(1.5)
+        assert liveness.moves >= 4
+    finally:
+        liveness.close()
+        stop.set()
+
+
+def test_the_heartbeat_says_the_step_and_the_longest_gap_and_stops_when_closed(
+        tmp_path: Path):
+    liveness = Liveness(ControlChannel(tmp_path, "tok"), threading.current_thread())
+    liveness.at_safe_point(40, now=100.0)  # the first: no gap before it
+    liveness.left_safe_point()
+    liveness.at_safe_point(41, now=time.monotonic() + 7.5)  # a 7.5 s validation pass
+    liveness.left_safe_point()
+    liveness.alive()
+    liveness.start()
+    time.sleep(0.5)
+    liveness.close()
+    beat = ControlChannel(tmp_path, "tok").heartbeat()
+    assert beat is not None and beat.step == 41 and beat.moves >= 1
+    assert 7.5 <= beat.gap < 8.0
+    heartbeat = tmp_path / "heartbeat.json"
+    before = heartbeat.stat().st_mtime_ns
+    liveness.alive()
+    time.sleep(1.5)
+    assert heartbeat.stat().st_mtime_ns == before  # no sampler left after close
