@@ -102,15 +102,14 @@ def test_the_heartbeat_says_the_step_and_the_longest_gap_and_stops_when_closed(
     liveness.left_safe_point()
     liveness.at_safe_point(41, now=time.monotonic() + 7.5)  # a 7.5 s validation pass
     liveness.left_safe_point()
-    liveness.alive()
     liveness.start()
     time.sleep(0.5)
     liveness.close()
     beat = ControlChannel(tmp_path, "tok").heartbeat()
-    assert beat is not None and beat.step == 41 and beat.moves >= 1
+    assert beat is not None and beat.step == 41
     assert 7.5 <= beat.gap < 8.0
     heartbeat = tmp_path / "heartbeat.json"
     before = heartbeat.stat().st_mtime_ns
-    liveness.alive()
+    liveness.step = 42
     time.sleep(1.5)
     assert heartbeat.stat().st_mtime_ns == before  # no sampler left after close

@@ -121,3 +121,75 @@ def test_a_changed_batch_size_passes_over_the_same_samples_or_is_refused():
     assert skip == 5 and "has 400 samples, 320 when the checkpoint was taken" in said
     assert "not exact" in said
     assert map_position(None, halved, 5) == (5, None)  # a checkpoint from before shapes were kept
+
+
+class CoinFlip(Dataset):
+    """An augmentation applied with probability 1/2, from a NumPy generator of the data set's
+    own: with seed 5 its first draws are 0.805 and 0.808, so sample 0 loaded twice in a row
+    comes out the same, and a probe of two loads alone is fooled."""
+
+    def __init__(self, n: int = 64) -> None:
+        import numpy as np
+
+        self.x = torch.arange(n, dtype=torch.float64).unsqueeze(1).repeat(1, 4)
+        self.rng = np.random.default_rng(5)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return -self.x[i] if self.rng.random() < 0.5 else self.x[i]
+
+
+class WithNaN(Noisy):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        sample = super().__getitem__(i)
+        sample[0] = float("nan")
+        return sample
+
+
+class LazyFile(Noisy):
+    """Opens its 'file' on the first read (and counts reads, as Noisy does): samples are still
+    a function of their index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handle = None
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.handle is None:
+            self.handle = object()
+        return super().__getitem__(i)
+
+
+class TransformWithItsOwnRandom(Noisy):
+    """A generator two attributes down: a transform object of the data set holds it."""
+
+    def __init__(self) -> None:
+        import random
+
+        super().__init__()
+        self.transform = type("Flip", (), {})()
+        self.transform.rng = random.Random(4)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        flip = self.transform.rng.random() < 0.5
+        return -super().__getitem__(i) if flip else super().__getitem__(i)
+
+
+def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sample():
+    from procckpt.training.loaders import _not_repeatable
+
+    flips = CoinFlip()
+    assert flips.rng.random() >= 0.5 and flips.rng.random() >= 0.5  # the same outcome twice
+    why = _not_repeatable(CoinFlip())
+    assert "own state changed as samples were read (self.rng)" in why, why
+    assert _not_repeatable(WithNaN()) == ""  # the same sample, NaN and all: skip
+    assert _not_repeatable(Noisy()) == ""
+    assert "self.rng" in _not_repeatable(Noisy(own=True)) or "differed" in \
+        _not_repeatable(Noisy(own=True))
+    assert _not_repeatable(LazyFile()) == ""  # no replay for a lazy open or a read counter
+    from procckpt.training.loaders import _own_state
+
+    assert list(_own_state(TransformWithItsOwnRandom())) == ["self.transform.rng"]
+    assert _not_repeatable(TransformWithItsOwnRandom()) != ""

@@ -132,3 +132,39 @@ def test_lock_held_by_live_process_is_refused_and_dead_one_taken_over(tmp_path: 
     caplog.clear()
     store.lock().release()  # released cleanly before: nothing to say
     assert "taking over" not in caplog.text
+
+
+def test_another_user_cannot_block_the_lock_and_a_refusal_names_the_real_holder(caplog):
+    import shutil
+    import tempfile
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user (nobody)")
+    top = Path(tempfile.mkdtemp(prefix="procckpt-lock-", dir="/tmp"))  # reachable by nobody
+    try:
+        top.chmod(0o755)
+        store = CheckpointStore(top / "d").open()
+        store.root.chmod(0o755)
+        store.lock().release()
+        assert (store.root / "lock").stat().st_mode & 0o777 == 0o600
+        # A user who could read the lock file could flock it and block every run: not so.
+        flock = shutil.which("flock")
+        if flock is None:
+            pytest.skip("needs util-linux's flock(1) to lock as another user")
+        blocker = subprocess.run([flock, "--nonblock", str(store.root / "lock"), "true"],
+                                 user=65534, capture_output=True, text=True)
+        assert blocker.returncode != 0 and "Permission denied" in blocker.stderr, blocker
+        # A process that holds the flock without writing its note is the one named.
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1]); "
+             "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+             str(store.root / "lock")], stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "locked"
+            with pytest.raises(LockedError, match=f"in use by pid {holder.pid} [(]"):
+                store.lock()
+        finally:
+            holder.kill()
+            holder.wait()
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

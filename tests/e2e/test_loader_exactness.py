@@ -82,3 +82,18 @@ def test_persistent_workers_are_refused_with_the_fix(workdir: Path):
     assert len(lines) == 1, result.stderr[-3000:]
     assert "persistent_workers=True" in lines[0] and "persistent_workers=False" in lines[0]
     assert "step 1" not in result.stdout
+
+
+def test_a_coin_flip_from_the_data_sets_own_generator_is_replayed_and_exact(workdir: Path):
+    # Issue 25: two loads of sample 0 agree by chance here; the probe must not be fooled.
+    args = ["--workers", "2", "--coin-flip"]
+    ref, done = train(workdir, "ref", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, killed = train(workdir, "run", *args, "--checkpoint-at-step", "16", "--kill-at-step", "18")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed, result = train(workdir, "run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed 1 4 16" in result.stdout, result.stdout[:300]
+    assert "replayed the 4 batches" in result.stderr and "(self.coin)" in result.stderr, \
+        result.stderr[-3000:]
+    assert_bit_identical(ref, resumed)

@@ -165,3 +165,66 @@ def test_a_resume_with_another_batch_size_says_what_it_passes_over_or_refuses(wo
     assert halved.returncode == 0, halved.stderr[-3000:]
     assert (f"passing over {2 * batches} batches of 16 (the {trained} samples trained on), "
             f"not {batches}") in halved.stderr, halved.stderr[-3000:]
+
+
+# -- issue 25: a finished run stays finished; one training per dir and run ------------------
+def test_a_rerun_of_a_script_that_finished_early_trains_nothing_unless_forced(workdir: Path):
+    argv = [*TINY, "--epochs", "3", "--finish-at-step", "5", "--ckpt-dir", str(workdir / "c")]
+    first = run(argv, cwd=workdir)
+    assert first.returncode == 0 and "step 5" in first.stdout, first.stderr[-3000:]
+    again = run(argv, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not [line for line in again.stdout.splitlines() if line.startswith("step ")], \
+        again.stdout
+    assert "already finished (step 5); nothing to train" in again.stderr, again.stderr
+    forced = run(argv, cwd=workdir, env={"PROCCKPT_FORCE": "1"})
+    assert forced.returncode == 0 and "step 1\n" in forced.stdout, forced.stderr[-3000:]
+    assert "PROCCKPT_FORCE: the finished run's checkpoints moved to" in forced.stderr
+
+
+def test_a_second_training_in_the_same_command_is_refused_in_one_line(workdir: Path):
+    script = f"{PYTHON} {PROGRAMS / 'tiny_train.py'}"
+    res = run([*procckpt_argv(), "run", "--dir", str(workdir / "c"), "--", "bash", "-c",
+               f"{script} --epochs 1 && {script} --epochs 2 --n 64"], cwd=workdir)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "another one started with the same checkpoint dir" in res.stderr
+    assert "give each training its own dir" in res.stderr and "Traceback" not in res.stderr
+    assert "training finished\n" not in res.stderr
+
+
+def test_fifos_planted_in_control_do_not_freeze_the_launcher(workdir: Path):
+    import os
+
+    args = ["--epochs", "10", "--n", "256"]  # 80 steps of 0.2 s: past the first deadline
+    expected = reference(workdir, *args)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+                             "--grace", "5s", "--interval", "off", "--", *TINY, *args,
+                             "--step-sleep", "0.2", "--out", str(out)], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "step 3")
+    control = ckpt / "control"
+    for name in ("heartbeat.json", "ack.json"):  # what the launcher reads as it supervises
+        path = control / name
+        if path.exists():
+            path.unlink()
+        os.mkfifo(path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    stops = [e for e in events(ckpt, "trigger") if e["reason"] == "deadline"]
+    assert stops and events(ckpt, "confirmed") and not events(ckpt, "unconfirmed"), err[-3000:]
+    assert_bit_identical(expected, out)
+
+
+def test_a_control_dir_that_is_a_link_gets_nothing_written_through_it(workdir: Path):
+    ckpt, elsewhere = workdir / "ckpt", workdir / "elsewhere"
+    elsewhere.mkdir()
+    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", "true"], cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    (ckpt / "control").rmdir()
+    (ckpt / "control").symlink_to(elsewhere)
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, "--epochs", "1"],
+              cwd=workdir)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "is not a directory (a link?)" in res.stderr and "Traceback" not in res.stderr
+    assert list(elsewhere.iterdir()) == []

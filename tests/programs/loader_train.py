@@ -24,13 +24,17 @@ import procckpt
 class NoisyBlobs(Dataset):
     """Two Gaussian blobs; each sample gets fresh noise when it is read (a random transform)."""
 
-    def __init__(self, n: int, cost: float = 0.0, own_rng: bool = False) -> None:
+    def __init__(self, n: int, cost: float = 0.0, own_rng: bool = False,
+                 coin_flip: bool = False) -> None:
         g = torch.Generator().manual_seed(1)
         self.x = torch.randn(n, 8, generator=g)
         self.y = (self.x[:, 0] > 0).long()
         self.cost = cost  # seconds of work (decoding, augmenting) per sample
         # The noise from a generator the data set owns instead of torch's global stream.
         self.rng = torch.Generator().manual_seed(2) if own_rng else None
+        # A sign flip with probability 1/2 from a NumPy generator of its own (seed 5: its first
+        # two draws give the same outcome, so two loads of one sample agree by chance).
+        self.coin = __import__("numpy").random.default_rng(5) if coin_flip else None
 
     def __len__(self) -> int:
         return len(self.x)
@@ -38,7 +42,10 @@ class NoisyBlobs(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cost:
             time.sleep(self.cost)
-        return self.x[i] + 0.1 * torch.randn(8, generator=self.rng), self.y[i]
+        x = self.x[i] + 0.1 * torch.randn(8, generator=self.rng)
+        if self.coin is not None and self.coin.random() < 0.5:
+            x = -x
+        return x, self.y[i]
 
 
 class OwnStatefulLoader:
@@ -91,12 +98,14 @@ def main() -> None:
                         help="seconds of work per sample read")
     parser.add_argument("--own-rng", action="store_true",
                         help="the data set draws its noise from a generator of its own")
+    parser.add_argument("--coin-flip", action="store_true",
+                        help="a sign flip with probability 1/2 from the data set's own generator")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(7) if args.generator else None
-    data = NoisyBlobs(args.n, args.sample_cost, args.own_rng)
+    data = NoisyBlobs(args.n, args.sample_cost, args.own_rng, args.coin_flip)
     if args.loader == "own":
         loader = OwnStatefulLoader(data, batch_size=8, seed=7)
     else:

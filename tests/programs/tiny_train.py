@@ -29,6 +29,8 @@ def main() -> None:
                         help="exit 3 at this step (only on the first start)")
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="stop making progress after this step (only on the first start)")
+    parser.add_argument("--finish-at-step", type=int, default=None,
+                        help="end training early here: ckpt.finish(), then break")
     parser.add_argument("--hang-how", choices=("sleep", "lock"), default="sleep",
                         help="sleep forever, or block forever on a lock another thread holds")
     parser.add_argument("--prepare-seconds", type=float, default=0.0,
@@ -59,11 +61,16 @@ def main() -> None:
                     and ckpt.restart == 0:
                 raise SystemExit(3)
             print(f"step {ckpt.step + 1}", flush=True)
+            if ckpt.step + 1 == args.finish_at_step:
+                ckpt.finish()
+                break
             if args.hang_at_step is not None and ckpt.step + 1 == args.hang_at_step \
                     and ckpt.restart == 0:
                 stuck_waiting_for_data() if args.hang_how == "sleep" else stuck_on_a_lock()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+        if ckpt.finished:
+            break
         if args.validate_seconds:
             validate(model, x, args.validate_seconds)
     print("done", flush=True)

@@ -18,19 +18,28 @@ training process polls it at its safe points: a ``stat`` every few hundred milli
 
 Every file carries the token of the launcher cycle it belongs to, so a leftover request or
 ack from an earlier cycle or job is never mistaken for a current one.
+
+Every file is reached through the directory opened without following a link, created without
+following one, and read only when it is a regular file, without blocking and at most
+:data:`MAX_CONTROL_FILE` bytes: a FIFO or a link planted in ``control/`` (or ``control/``
+replaced by a link) can neither stall the launcher nor send a write elsewhere. What cannot be
+read counts as absent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import signal
+import stat
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
-
-from ..store import write_file_atomic
 
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
            "ENV_CYCLE", "ENV_ENGINE", "STACK_DUMP_SIGNAL"]
@@ -46,6 +55,9 @@ ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
 #: action is to be ignored, so processes that did not register for it (torchrun's agent, a
 #: shell, the keeper) are not harmed by it; nothing else here sends it.
 STACK_DUMP_SIGNAL = signal.SIGURG
+
+#: The longest control file read; the protocol's are a few hundred bytes.
+MAX_CONTROL_FILE = 64 << 10
 
 ACTION_CHECKPOINT = "checkpoint"  # save and go on training
 ACTION_STOP = "stop"  # save, then exit
@@ -83,12 +95,51 @@ class Heartbeat:
     gap: float = 0.0
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+@contextlib.contextmanager
+def _opened_dir(path: Path) -> Iterator[int]:
+    """A descriptor of directory ``path``, opened without following a link (ELOOP if it is
+    one)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _read_in(dir_fd: int, name: str) -> bytes:
+    """The content of regular file ``name`` in ``dir_fd`` (OSError for a link, a FIFO, a
+    device), at most :data:`MAX_CONTROL_FILE` bytes."""
+    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                 dir_fd=dir_fd)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", name)
+        return os.read(fd, MAX_CONTROL_FILE)
+    finally:
+        os.close(fd)
+
+
+def _write_in(dir_fd: int, name: str, data: bytes, durable: bool) -> None:
+    """Replace ``name`` in ``dir_fd`` with ``data`` atomically (a new file renamed over it)."""
+    tmp = f".tmp-{name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o644, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    if durable:
+        os.fsync(dir_fd)
 
 
 class ControlChannel:
@@ -105,14 +156,38 @@ class ControlChannel:
         self._beat_seen: tuple[int, int] | None = None
         self._beat: Heartbeat | None = None
 
+    # files, each reached through the directory opened without following a link -------------
+    def _write(self, name: str, info: dict[str, Any], durable: bool = True) -> None:
+        with _opened_dir(self.dir) as fd:
+            _write_in(fd, name, json.dumps(info).encode(), durable)
+
+    def _read_json(self, name: str) -> dict[str, Any] | None:
+        try:
+            with _opened_dir(self.dir) as fd:
+                data = json.loads(_read_in(fd, name))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _changed(self, name: str, seen: tuple[int, int] | None) -> tuple[int, int] | None:
+        """The (inode, mtime) of ``name`` when it differs from ``seen`` (a ``stat`` of the
+        entry itself); None when it is the same or gone."""
+        try:
+            with _opened_dir(self.dir) as fd:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns)
+        return None if key == seen else key
+
     # launcher side -------------------------------------------------------------------------
     def send(self, seq: int, action: str, reason: str) -> Request:
         req = Request(self.token, seq, action, reason, time.time())
-        write_file_atomic(self.request_path, json.dumps(asdict(req)).encode())
+        self._write(self.request_path.name, asdict(req))
         return req
 
     def read_ack(self) -> Ack | None:
-        data = _read_json(self.ack_path)
+        data = self._read_json(self.ack_path.name)
         if not data or data.get("token") != self.token:
             return None
         try:
@@ -122,19 +197,15 @@ class ControlChannel:
 
     def hello(self) -> dict[str, Any] | None:
         """What the training process said when it started in this cycle, if it did."""
-        return _read_json(self.dir / f"hello-{self.token}.json")
+        return self._read_json(f"hello-{self.token}.json")
 
     def heartbeat(self) -> Heartbeat | None:
         """The newest heartbeat of this cycle's training, if it sent one. Cheap when nothing
         changed (a ``stat``)."""
-        try:
-            st = self.heartbeat_path.stat()
-        except FileNotFoundError:
-            return self._beat
-        key = (st.st_ino, st.st_mtime_ns)
-        if key != self._beat_seen:
+        key = self._changed(self.heartbeat_path.name, self._beat_seen)
+        if key is not None:
             self._beat_seen = key
-            data = _read_json(self.heartbeat_path)
+            data = self._read_json(self.heartbeat_path.name)
             if data and data.get("token") == self.token:
                 try:
                     self._beat = Heartbeat(int(data["step"]), float(data["time"]),
@@ -145,37 +216,36 @@ class ControlChannel:
         return self._beat
 
     def clear(self) -> None:
-        for p in self.dir.glob("*.json"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        try:
+            with _opened_dir(self.dir) as fd:
+                for name in os.listdir(fd):
+                    if name.endswith(".json"):
+                        with contextlib.suppress(OSError):
+                            os.unlink(name, dir_fd=fd)
+        except OSError:
+            pass
 
     # training-process side -----------------------------------------------------------------
     def say_hello(self, **fields: Any) -> None:
         info = {"pid": os.getpid(), "time": time.time(), **fields}
-        write_file_atomic(self.dir / f"hello-{self.token}.json", json.dumps(info).encode())
+        self._write(f"hello-{self.token}.json", info)
 
     def beat(self, step: int, moves: int = 0, gap: float = 0.0) -> None:
         """Say that ``step`` was reached, the training moved ``moves`` times and went ``gap``
         seconds at most between safe points (not fsynced: it only says how things are now)."""
         info = {"token": self.token, "step": step, "moves": moves, "gap": gap,
                 "time": time.time()}
-        write_file_atomic(self.heartbeat_path, json.dumps(info).encode(), durable=False)
+        self._write(self.heartbeat_path.name, info, durable=False)
 
     def poll(self) -> Request | None:
         """Return a new request for this cycle, or None. Cheap when nothing changed."""
-        try:
-            st = self.request_path.stat()
-        except FileNotFoundError:
-            return None
         # Each request is renamed into place, so a new one has a new inode even when the
         # filesystem's clock did not tick between two writes.
-        key = (st.st_ino, st.st_mtime_ns)
-        if key == self._seen:
+        key = self._changed(self.request_path.name, self._seen)
+        if key is None:
             return None
         self._seen = key
-        data = _read_json(self.request_path)
+        data = self._read_json(self.request_path.name)
         if not data or data.get("token") != self.token:
             return None
         try:
@@ -188,4 +258,4 @@ class ControlChannel:
         return req
 
     def acknowledge(self, ack: Ack) -> None:
-        write_file_atomic(self.ack_path, json.dumps(asdict(ack)).encode())
+        self._write(self.ack_path.name, asdict(ack))

@@ -26,23 +26,31 @@ logger = logging.getLogger(__name__)
 @dataclass
 class DirLock:
     """An exclusive ``flock`` on ``DIR/lock``; the kernel drops it when its holder dies,
-    so a lock left by a dead process is taken over without any clean-up."""
+    so a lock left by a dead process is taken over without any clean-up.
+
+    The file is readable by its owner alone (0600): ``flock`` needs only a descriptor open for
+    reading, so a file others can read is one they can lock, blocking the owner's runs.
+    """
 
     path: Path
     _fd: int | None = field(default=None, repr=False)
 
     def acquire(self, purpose: str = "run") -> None:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise StoreError(f"{self.path} is a symbolic link, and procckpt follows no links "
                                  "inside its checkpoint dir: remove it and run again") from e
             raise StoreError(f"cannot open {self.path}: {e.strerror}; fix the checkpoint dir's "
                              "permissions or choose another --dir") from e
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             os.close(fd)
             raise StoreError(f"{self.path} is not a regular file: remove it and run again")
+        if st.st_mode & 0o077 and st.st_uid == os.geteuid():
+            with contextlib.suppress(OSError):  # an older procckpt made it 0644
+                os.fchmod(fd, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -50,11 +58,15 @@ class DirLock:
             if e.errno not in (errno.EWOULDBLOCK, errno.EACCES, errno.EAGAIN):
                 raise StoreError(f"cannot lock {self.path}: {e.strerror}") from e
             holder = self.holder()
-            who = (
-                f"pid {holder.get('pid')} on {holder.get('host')} ({holder.get('purpose', 'run')})"
-                if holder
-                else "another process"
-            )
+            real = _flock_holder(st.st_dev, st.st_ino)
+            if real is not None and (not holder or holder.get("pid") != real[0]
+                                     or holder.get("host") != socket.gethostname()):
+                who = f"pid {real[0]} ({real[1]}) on this host"  # the note names someone else
+            elif holder:
+                who = (f"pid {holder.get('pid')} on {holder.get('host')} "
+                       f"({holder.get('purpose', 'run')})")
+            else:
+                who = "another process"
             raise LockedError(
                 f"checkpoint dir {self.path.parent} is in use by {who}; wait for it to end "
                 "or use another --dir"
@@ -106,3 +118,30 @@ class DirLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _flock_holder(dev: int, ino: int) -> tuple[int, str] | None:
+    """The process holding a ``flock`` on the file (``dev``, ``ino``) of this host, and its
+    command line, from /proc/locks; None where that cannot be told."""
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    want = f"{os.major(dev):02x}:{os.minor(dev):02x}:{ino}"
+    for line in lines:
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 08:01:5678 0 EOF" ("->" marks a waiter)
+        if len(fields) >= 6 and fields[1] == "FLOCK" and "->" not in fields[:2] \
+                and fields[5] == want:
+            try:
+                pid = int(fields[4])
+            except ValueError:
+                continue
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                command = "?"
+            return pid, command[:120] or "?"
+    return None

@@ -95,8 +95,12 @@ class CheckpointStore:
             raise StoreError(f"checkpoint dir {root} does not exist")
         try:
             root.mkdir(parents=True, exist_ok=True)
-            self.ckpt_root.mkdir(exist_ok=True)
-            self.control_dir.mkdir(exist_ok=True)
+            for sub in (self.ckpt_root, self.control_dir):
+                with contextlib.suppress(FileExistsError):
+                    sub.mkdir()
+                if not stat.S_ISDIR(os.lstat(sub).st_mode):  # a link, a file: nothing goes there
+                    raise StoreError(f"{sub} is not a directory (a link?), and procckpt follows "
+                                     "no links inside its checkpoint dir: remove it and run again")
             marker = root / MARKER
             if not marker.exists():
                 write_file_atomic(marker, json.dumps({"format": FORMAT_VERSION,

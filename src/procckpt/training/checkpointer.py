@@ -32,7 +32,7 @@ from .liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .member import CheckpointerAsMember
 from .progress import Progress
-from .resume import apply_payload, load_newest_verified, resume_newest
+from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
 from .saving import Saves, background_savers
 from .triggers import SaveTriggers
 
@@ -148,6 +148,7 @@ class Checkpointer:
             self._triggers.install_signal_handlers()
             self._liveness.start()  # from here on a long preparation is no hang
             try:
+                self._finished = finished_already(self.store, token, self.is_writer)
                 with self._liveness.working():
                     self.resumed_from = self._resume()
                 self._liveness.step = self.step
@@ -186,6 +187,8 @@ class Checkpointer:
         saved and the run is marked complete.
         """
         progress = self._progress
+        if self._finished:
+            return
         self._progress.check_streams(self._journal)
         if progress.epoch >= num_epochs:
             if self.resumed_from is not None:
@@ -214,6 +217,8 @@ class Checkpointer:
         After each batch (when the loop body asks for the next one) is a safe point.
         """
         progress = self._progress
+        if self._finished:
+            return
         self._progress.check_streams(self._journal)
         try:
             iterator = progress.open_loader(loader, self._journal)
@@ -237,6 +242,8 @@ class Checkpointer:
         carries to the next (a batch fetched ahead) belongs in :attr:`extras`.
         """
         progress = self._progress
+        if self._finished:
+            return
         self._progress.check_streams(self._journal)
         numbers = progress.open_range(total)
         alone = not progress.in_epochs
@@ -293,11 +300,6 @@ class Checkpointer:
     def request_checkpoint(self, stop: bool = False, reason: str = "script") -> None:
         """Ask for a checkpoint at the next safe point (and to exit after it with ``stop``)."""
         self._triggers.ask(stop, reason)
-
-    def alive(self) -> None:
-        """Tell ``procckpt run``'s hang detection that the training is making progress (it
-        sees Python code run between safe points by itself; see :meth:`working`)."""
-        self._liveness.alive()
 
     def working(self) -> contextlib.AbstractContextManager[None]:
         """A block that counts as progress for ``procckpt run``'s hang detection however long

@@ -16,7 +16,7 @@ from pathlib import Path
 from ..errors import EX_TEMPFAIL, ProcckptError
 from ..protocol import control as ctl
 
-__all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir"]
+__all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested"]
 
 logger = logging.getLogger(__name__)
 
@@ -96,3 +96,8 @@ def _rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0") or 0)
+
+
+def force_requested() -> bool:
+    """Whether ``PROCCKPT_FORCE`` asks a script run alone to train a finished run again."""
+    return os.environ.get("PROCCKPT_FORCE", "").strip().lower() in ("1", "true", "yes", "on")

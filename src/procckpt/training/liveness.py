@@ -125,10 +125,6 @@ class Liveness:
         """The safe point's own work (a checkpoint, say) is done: the training goes on."""
         self._left_safe_point = time.monotonic()
 
-    def alive(self) -> None:
-        """Count one move now: the training made progress the stack may not show."""
-        self.moves += 1
-
     @contextlib.contextmanager
     def working(self) -> Iterator[None]:
         """Count the whole block as progress, whatever the stack shows."""
@@ -182,9 +178,6 @@ class NoLiveness:
         pass
 
     def close(self) -> None:
-        pass
-
-    def alive(self) -> None:
         pass
 
     def working(self) -> contextlib.AbstractContextManager[None]:

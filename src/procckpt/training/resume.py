@@ -13,15 +13,16 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointReadError
+from ..errors import CheckpointCorruptError, CheckpointReadError, UsageError
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, read_with_retries
 from . import distributed as dist_
+from .context import force_requested
 from .io.mapped import MappedVerification, private_copy
 from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
 
 __all__ = ["load_newest_verified", "single_process_view", "announce_resume", "resume_newest",
-           "apply_payload"]
+           "apply_payload", "finished_already"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +152,37 @@ def apply_payload(ck: Any, info: CheckpointInfo, payload: dict[str, Any]) -> dic
         payload = single_process_view(info, payload, ck._statefuls, ck.allow_reshard)
     load_statefuls(info, payload, ck._statefuls)
     return payload
+
+
+def finished_already(store: CheckpointStore, token: str | None, is_writer: bool) -> bool:
+    """Whether the run in ``store`` finished (``COMPLETE``), so that the loops train no more.
+
+    Alone, a finished run trains nothing and says so, unless ``PROCCKPT_FORCE=1`` (then its
+    checkpoints are archived and training starts anew). Launched, the launcher has decided
+    already (it refuses a finished run; ``--force`` archives), but a second training of the
+    same command (``token``) would resume from the first one's final checkpoint: refused.
+
+    Raises:
+        UsageError: a second training started in the same run after the first ended.
+    """
+    complete = store.completion()
+    if complete is None:
+        return False
+    step = "" if complete.get("step") is None else f" (step {complete['step']})"
+    if token and complete.get("token") == token:
+        raise UsageError(
+            f"a training in this command already finished in {store.root}{step}, and another "
+            "one started with the same checkpoint dir; it would resume from the first one's "
+            "final checkpoint: give each training its own dir (procckpt run --dir A -- python "
+            "pretrain.py, then procckpt run --dir B -- python finetune.py)")
+    if token:
+        return False
+    if force_requested():
+        if is_writer:
+            logger.info("PROCCKPT_FORCE: the finished run's checkpoints moved to %s; training "
+                        "starts anew", store.archive())
+        return False
+    if is_writer:
+        logger.info("the run in %s already finished%s; nothing to train. Set PROCCKPT_FORCE=1 "
+                    "(or use a new dir) to train again", store.root, step)
+    return True
