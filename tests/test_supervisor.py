@@ -159,12 +159,12 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
               grace: float | None = 10.0, max_restarts: int = 20,
               interval: float | str | None = "auto",
               hang_timeout: float | str | None = "auto", deadline: object = None,
-              ) -> tuple[World, object, float]:
+              restart_on_failure: bool = False) -> tuple[World, object, float]:
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
     config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
                        max_restarts=max_restarts, term_timeout=10.0, interval=interval,
-                       hang_timeout=hang_timeout)
+                       hang_timeout=hang_timeout, restart_on_failure=restart_on_failure)
 
     def wait(timeout: float) -> list[int]:
         world.now += max(timeout, 0.001)
@@ -296,3 +296,13 @@ def test_the_default_grace_follows_a_limit_learned_from_the_scheduler(tmp_path: 
                                  deadline=LearnedLimit())
     stops = [t for t, action, _ in world.requests if action == "stop"]
     assert stops == [pytest.approx(75, abs=1.5)]  # a quarter of 100 s, not the 60 s default
+
+
+def test_the_same_failure_again_and_again_backs_off_then_stops(tmp_path: Path):
+    crash = Cycle(exits_at=5.0, code=3)
+    world, result, _ = supervise(tmp_path, [crash] * 6, time_limit=None, interval=None,
+                                 restart_on_failure=True)
+    assert result.reason is ExitReason.FAILED and result.exit_code == 3
+    assert result.cycles == 3 and "3 times in a row" in result.message, result.message
+    # Three 5 s cycles, and 2 s then 4 s of waiting between them.
+    assert world.now - 1000.0 == pytest.approx(3 * 5 + 2 + 4, abs=0.5)

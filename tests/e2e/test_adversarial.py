@@ -334,3 +334,10 @@ def test_a_command_killed_by_a_signal_is_named_and_the_rerun_counts_as_a_restart
                 cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(restart 1)" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_crash_inside_the_loop_is_not_taken_for_a_break(workdir: Path):
+    result = run([*TINY, "--epochs", "3", "--fail-at-step", "3", "--ckpt-dir",
+                  str(workdir / "c")], cwd=workdir)
+    assert result.returncode == 3, result.stderr[-3000:]
+    assert "left before its end" not in result.stderr, result.stderr[-3000:]

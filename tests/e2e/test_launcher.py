@@ -189,3 +189,13 @@ def test_damaged_newest_checkpoint_resumes_from_previous(workdir: Path):
     assert result.returncode == 0
     assert f"checkpoint {newest.name} is unusable: state.pt fails its checksum" in result.stderr
     assert result.stdout.splitlines()[0] == "start step 16 restart 0"
+
+
+def test_processes_the_command_left_running_are_named_when_killed(workdir: Path):
+    # A command that starts a daemon of its own (double fork, new session) and exits.
+    result = run([*procckpt_argv(), "run", "--dir", "d", "--", "sh", "-c",
+                  "setsid sleep 600 & sleep 1; exit 0"], cwd=workdir)
+    assert result.returncode == 0, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if "left 1 process running" in line]
+    assert "killed now: pid " in line and "(sleep 600)" in line, line
+    assert not [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "600"]]

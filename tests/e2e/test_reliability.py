@@ -228,3 +228,15 @@ def test_a_control_dir_that_is_a_link_gets_nothing_written_through_it(workdir: P
     assert res.returncode == 2, res.stderr[-3000:]
     assert "is not a directory (a link?)" in res.stderr and "Traceback" not in res.stderr
     assert list(elsewhere.iterdir()) == []
+
+
+def test_a_changed_model_shape_is_said_in_one_line_with_exit_2(workdir: Path):
+    argv = [*TINY, "--epochs", "3", "--n", "64", "--ckpt-dir", str(workdir / "c")]
+    first = run([*argv, "--fail-at-step", "4"], cwd=workdir)  # saved at the end of epoch 0
+    assert first.returncode == 3, first.stderr[-3000:]
+    wider = run([*argv, "--width", "64"], cwd=workdir)
+    assert wider.returncode == 2, wider.stderr[-3000:]
+    assert "Traceback" not in wider.stderr, wider.stderr[-3000:]
+    (line,) = [line for line in wider.stderr.splitlines() if "does not fit" in line]
+    assert "the model saved in checkpoint ckpt-00000001 does not fit this script's model" in line
+    assert "size mismatch for 0.weight" in line and "and 2 more" in line, line  # 0.bias, 3.weight

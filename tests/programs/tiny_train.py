@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--width", type=int, default=32, help="the hidden layer's width")
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--ckpt-dir", default=None)
@@ -44,7 +45,8 @@ def main() -> None:
     y = (x.sum(1) > 0).long()
     loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True,
                         num_workers=args.workers)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 2))
+    model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2),
+                          nn.Linear(args.width, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer,
                                  save_every=args.save_every)
@@ -79,12 +81,16 @@ def main() -> None:
 
 
 def prepare_data(seconds: float) -> None:
-    """What tokenizing or building an index looks like: Python code, no safe point."""
+    """What tokenizing or building an index looks like: Python code, no safe point (half of
+    one core: bursts of work between short reads)."""
     end = time.monotonic() + seconds
     vocab: dict[str, int] = {}
     while time.monotonic() < end:
-        for word in "the quick brown fox jumps over the lazy dog".split():
-            vocab[word] = vocab.get(word, 0) + 1
+        burst = time.monotonic() + 0.01
+        while time.monotonic() < burst:
+            for word in "the quick brown fox jumps over the lazy dog".split():
+                vocab[word] = vocab.get(word, 0) + 1
+        time.sleep(0.01)
 
 
 def validate(model: nn.Module, x: torch.Tensor, seconds: float) -> None:

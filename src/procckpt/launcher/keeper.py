@@ -68,6 +68,29 @@ def _descendants(root: int) -> list[int]:
     return found
 
 
+def _say_left_behind() -> None:
+    """Name the processes the command left running (a daemon, a server it started), which
+    are killed next: a run must not end with work silently cut short."""
+    below = _descendants(os.getpid())
+    if not below:
+        return
+    named = []
+    for pid in below[:5]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = "?"
+        named.append(f"pid {pid} ({command[:80] or '?'})")
+    more = f" and {len(below) - 5} more" if len(below) > 5 else ""
+    try:
+        os.write(2, (f"procckpt: the command exited and left {len(below)} process"
+                     f"{'es' if len(below) > 1 else ''} running, killed now: "
+                     f"{', '.join(named)}{more}\n").encode())
+    except OSError:
+        pass
+
+
 def _kill_all_below() -> None:
     """SIGKILL every process below the keeper until none is left, reaping as they die."""
     me = os.getpid()
@@ -162,6 +185,7 @@ def main(argv: list[str]) -> None:
                 pass
         for reaped, status in _reap():
             if reaped == pid:
+                _say_left_behind()
                 _kill_all_below()  # what the command left behind, as procckpt always did
                 _exit_like(status)
 

@@ -39,6 +39,11 @@ logger = logging.getLogger(__name__)
 
 #: Cycles in a row without a new checkpoint after which a local restart loop gives up.
 NO_PROGRESS_CYCLES = 3
+#: --restart-on-failure: the same failure from the same checkpoint this often in a row stops
+#: the run; before each restart the launcher waits, twice as long each time.
+SAME_FAILURE_LIMIT = 3
+BACKOFF_FIRST = 2.0
+BACKOFF_MAX = 60.0
 
 
 class Supervisor:
@@ -78,6 +83,10 @@ class Supervisor:
         self._signals = SignalPipe((*HANDLED_SIGNALS,
                                     getattr(signal, f"SIG{config.checkpoint_signal}")))
         self.cycles = 0
+        #: Failures restarted by --restart-on-failure: the last one's (exit code, newest
+        #: checkpoint's step), and how often in a row it came so.
+        self._last_failure: tuple[int, int | None] | None = None
+        self._same_failures = 0
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -213,16 +222,37 @@ class Supervisor:
                               "early, call ckpt.finish() before break")
         ended = _ending(code)
         if self.config.restart_on_failure and restarts < self.config.max_restarts:
-            logger.warning("the command %s; restarting (--restart-on-failure): the next cycle "
-                           "%s", ended, self._resumes_from())
+            # The same failure again, from the same checkpoint: it will most likely repeat.
+            where = (code, self._latest_step())
+            self._same_failures = self._same_failures + 1 if where == self._last_failure else 1
+            self._last_failure = where
+            if self._same_failures >= SAME_FAILURE_LIMIT:
+                return self._exit(code, ExitReason.FAILED,
+                                  f"the command {ended} {self._same_failures} times in a row "
+                                  "with no new checkpoint in between, so it would fail again: "
+                                  f"not restarted. Fix the cause; running the same command "
+                                  f"again {self._resumes_from(verb='resumes')}", error=True)
+            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 1))
+            logger.warning("the command %s; restarting in %s (--restart-on-failure): the next "
+                           "cycle %s", ended, format_duration(delay), self._resumes_from())
             append_event(self.store.events_path, "restart", restart=restarts + 1,
                          cause="failure", exit_code=code)
+            self._carried_signals += self._sleep(delay)
             return None
         hint = ("" if self.config.restart_on_failure
                 else ", not restarted (see --restart-on-failure)")
         return self._exit(code, ExitReason.FAILED,
                           f"the command {ended}{hint}; running the same command again "
                           f"{self._resumes_from(verb='resumes')}", error=True)
+
+    def _sleep(self, seconds: float) -> list[int]:
+        """Wait ``seconds`` between cycles, or until a signal comes (it is for the next)."""
+        until = self._clock() + seconds
+        while (left := until - self._clock()) > 0:
+            signals = self._wait(left)  # type: ignore[misc]
+            if signals:
+                return signals
+        return []
 
     def _newest_intact(self) -> str:
         """Whether the newest checkpoint still verifies (after a storage failure), in words."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -431,8 +432,8 @@ class Checkpointer:
     def _left_loop_early(self, loop: str = "epochs") -> None:
         """The ``epochs()`` loop was closed before its end: a ``break``, an exception, or
         our own stop. Only the first needs words: nothing marks the run complete."""
-        if not (self._finished or self._exiting):
-            self._progress.warn_left_early(loop)
+        if not (self._finished or self._exiting):  # the loop's caller, past the generator
+            self._progress.warn_left_early(loop, sys._getframe(2))
 
     def _finish(self) -> None:
         if self._finished:

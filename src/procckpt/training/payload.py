@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ProcckptError
+from ..errors import ProcckptError, UsageError
 from ..store import CheckpointInfo
 from .io.mapped import detach_from_file
 
@@ -111,11 +111,29 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
             "arguments; use a new dir")
     for name, obj in statefuls.items():
         if name not in sharded:
-            obj.load_state_dict(states[name])
+            try:
+                obj.load_state_dict(states[name])
+            except (RuntimeError, KeyError, ValueError, TypeError) as e:
+                raise UsageError(
+                    f"the {name} saved in checkpoint {info.name} does not fit this script's "
+                    f"{name} ({_first_problem(e)}): the script changed since it was saved; run "
+                    "the script that wrote it, or use a new dir to start over") from e
     # Nothing may keep pointing into the mapped file (see detach_from_file). Sharded state
     # came through DCP, not from this file (and holds DTensors, which have no storage of
     # their own to compare).
     detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded])
+
+
+def _first_problem(error: BaseException) -> str:
+    """The first line of a ``load_state_dict`` error that names a problem, and how many more
+    there are (torch lists every mismatched tensor on a line of its own)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if lines and lines[0].startswith("Error(s) in loading state_dict"):
+        lines = lines[1:]
+    if not lines:
+        return type(error).__name__
+    first = lines[0].rstrip(".")
+    return first if len(lines) == 1 else f"{first}; and {len(lines) - 1} more"
 
 
 def _checked(value: dict[str, Any], what: str) -> dict[str, Any]:

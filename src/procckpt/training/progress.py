@@ -20,11 +20,13 @@ torch's global one; its state is saved beside the global streams and restored wi
 
 from __future__ import annotations
 
+import dis
 import logging
 import random
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -250,8 +252,12 @@ class Progress:
             self.batch = 0
             self._epoch_rng = None
 
-    def warn_left_early(self, loop: str = "epochs") -> None:
-        """Say what leaving ``epochs()`` (or ``steps()``) before its end means for a rerun."""
+    def warn_left_early(self, loop: str = "epochs", where: FrameType | None = None) -> None:
+        """Say what leaving ``epochs()`` (or ``steps()``) before its end means for a rerun:
+        only when the loop in frame ``where`` was left by ``break`` (or ``return``), not by an
+        exception (its traceback says enough) or Ctrl-C."""
+        if where is not None and not _left_by_break(where):
+            return
         logger.warning(
             "the ckpt.%s() loop was left before its end (epoch %d, step %d): no final "
             "checkpoint was saved and the run is not marked complete, so running the script "
@@ -280,3 +286,13 @@ def global_streams() -> tuple[Any, ...]:
         kind, keys, pos, has_gauss, cached = np.random.get_state()
         numpy_state = (kind, keys.tobytes(), pos, has_gauss, cached)
     return (bytes(torch.get_rng_state().numpy()), random.getstate(), numpy_state)
+
+
+def _left_by_break(frame: FrameType) -> bool:
+    """Whether ``frame`` closes a loop's generator by leaving the loop (``break``,
+    ``return``: the iterator is popped off its stack) rather than by an exception unwinding
+    it (then it stands at the instruction that raised)."""
+    try:
+        return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "POP_TOP"
+    except (IndexError, ValueError):
+        return True  # cannot tell: say it
