@@ -73,12 +73,3 @@ def slurm_cluster(tmp_path_factory):
 
     yield from slurm_cluster_fixture(tmp_path_factory.mktemp("slurm"))
 
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (``-n N --dist loadgroup``, as CI runs), the tests that share the one
-    throwaway Slurm cluster run on one worker, one after the other; the rest spread out."""
-    import pytest
-
-    for item in items:
-        if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("slurm"))

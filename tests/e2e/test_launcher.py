@@ -85,7 +85,9 @@ def test_sigterm_checkpoints_stops_and_the_next_run_resumes(workdir: Path):
                 cwd=workdir)
     assert again.returncode == 0, again.stderr
     first_line = again.stdout.splitlines()[0]
-    assert first_line == f"start step {saved[-1]['step']} restart 0"
+    # A rerun after a stop is a restart of the training: the launcher says the number the
+    # Checkpointer counts (one more than the checkpoint's), not its own launch's 0.
+    assert first_line == f"start step {saved[-1]['step']} restart 1"
 
 
 def test_sigusr2_checkpoints_without_stopping(workdir: Path):
@@ -188,7 +190,7 @@ def test_damaged_newest_checkpoint_resumes_from_previous(workdir: Path):
                  cwd=workdir)
     assert result.returncode == 0
     assert f"checkpoint {newest.name} is unusable: state.pt fails its checksum" in result.stderr
-    assert result.stdout.splitlines()[0] == "start step 16 restart 0"
+    assert result.stdout.splitlines()[0] == "start step 16 restart 1"  # a rerun: restart 1
 
 
 def test_processes_the_command_left_running_are_named_when_killed(workdir: Path):

@@ -193,7 +193,10 @@ class Supervisor:
                                   "--time-limit or lower --grace")
             if verdict.decision is Decision.RESTART_HERE:
                 restarts += 1
-                logger.info("restarting (%s)", verdict.message)
+                number = self._restart_number(restarts)
+                logger.info("restarting (%s)", verdict.message if number == restarts else
+                            f"restart {number} of the training; {verdict.message} in this "
+                            "launch")
                 append_event(self.store.events_path, "restart", restart=restarts,
                              cause=cause.value, step=step if outcome.confirmed and
                              outcome.confirmed.step is not None else None)
@@ -244,6 +247,17 @@ class Supervisor:
         return self._exit(code, ExitReason.FAILED,
                           f"the command {ended}{hint}; running the same command again "
                           f"{self._resumes_from(verb='resumes')}", error=True)
+
+    def _restart_number(self, restarts: int) -> int:
+        """The restart count the training is told (and says): this launch's, or one more than
+        the newest checkpoint's if that is more (a rerun by hand is a restart too). The
+        --max-restarts budget counts this launch's alone."""
+        try:
+            infos = self.store.checkpoints()
+        except OSError:
+            infos = []
+        saved = infos[0].manifest.get("restart") if infos else None
+        return max(restarts, saved + 1) if isinstance(saved, int) else restarts
 
     def _sleep(self, seconds: float) -> list[int]:
         """Wait ``seconds`` between cycles, or until a signal comes (it is for the next)."""
@@ -303,7 +317,7 @@ class Supervisor:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.update(engine_env)
-        env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(restarts),
+        env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(self._restart_number(restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         child = self._child_factory(argv, env)
         self.hangs.start_cycle()

@@ -139,9 +139,8 @@ def resume_newest(ck: Any) -> CheckpointInfo | None:
         ck.restart = max(ck.restart, saved_restart + 1)
     ck._saves.last = info
     ck.restore_seconds = time.monotonic() - started
-    # Launched, the restart the launcher counts (its own lines say the same number).
     announce_resume(ck.store if ck.is_writer else None, info, ck._progress.position,
-                    ck._context.restart if ck.launched else ck.restart, ck.restore_seconds)
+                    ck.restart, ck.restore_seconds)
     return info
 
 
