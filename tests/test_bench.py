@@ -41,3 +41,13 @@ def test_the_gpu_benchmark_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
                 "stop durable / raw write"):
         assert row in done.stdout, row
     assert list(tmp_path.iterdir()) == [], "the run cleans up after itself"
+
+
+def test_the_sampler_benchmark_prints_its_figures() -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "liveness_cost.py"
+    done = subprocess.run([sys.executable, str(script), "--seconds", "0.3", "--pairs", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    for row in ("step time without sampler", "step time with sampler", "ratio per pair",
+                "sampler thread CPU, share of a core"):
+        assert row in done.stdout, row
