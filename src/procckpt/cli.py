@@ -170,6 +170,29 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
     sys.exit(sbatch_main(ctx.meta["raw_args"]))
 
 
+@cli.command(context_settings={"allow_interspersed_args": False})
+@click.option("--steps", type=int, default=20, show_default=True,
+              help="Steps to compare (fewer if the script has fewer).")
+@click.option("--at", type=int, default=None, help="Stop and resume after this step [half "
+              "of --steps].")
+@click.option("--keep", is_flag=True, help="Keep the runs' dirs, logs and traces.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+def check(command: tuple[str, ...], steps: int, at: int | None, keep: bool) -> None:
+    """Prove that COMMAND resumes exactly: run it without a stop, again, and stopped in the
+    middle and resumed, and compare the whole state after every step, bit for bit.
+
+    \b
+    Example:
+        procckpt check --steps 20 -- python train.py --epochs 1
+    Exit: 0 exact; 1 differs or not deterministic; 2 bad input.
+    """
+    from .check import describe, run_check
+
+    verdict = run_check(list(command), steps, at, keep=keep)
+    click.echo(describe(verdict))
+    sys.exit(verdict.code)
+
+
 @cli.command()
 @click.argument("directory", required=False, default="procckpt-checkpoints")
 @click.option("--no-verify", is_flag=True, help="Do not read files to check their checksums.")

@@ -28,6 +28,7 @@ from ..log import setup_logging
 from ..protocol import control as ctl
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
+from .check import check_hook
 from .context import DEFAULT_DIR, LaunchContext, default_dir
 from .liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
@@ -130,6 +131,7 @@ class Checkpointer:
             #: Rank 0's heartbeat for the launcher's hang detection (launched runs only).
             self._liveness = Liveness(control, threading.current_thread()) \
                 if control is not None and self.is_writer else NoLiveness()
+            self._check = check_hook()
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
             self._in_batch = False
@@ -204,8 +206,9 @@ class Checkpointer:
             first = False
             try:
                 yield progress.epoch
-            except GeneratorExit:
-                self._left_loop_early()
+            except GeneratorExit:  # a break, an exception, or our own stop: only a break warns
+                if not (self._finished or self._exiting):
+                    progress.warn_left_early("epochs", sys._getframe(1))
                 raise
             progress.end_epoch()
             self._safe_point(epoch_end=True)
@@ -259,8 +262,8 @@ class Checkpointer:
             try:
                 yield number
             except GeneratorExit:
-                if alone:
-                    self._left_loop_early("steps")
+                if alone and not (self._finished or self._exiting):
+                    progress.warn_left_early("steps", sys._getframe(1))
                 raise
             self._in_batch = False
             progress.batch_done()
@@ -386,6 +389,7 @@ class Checkpointer:
             self._liveness.left_safe_point()
 
     def _act_at_safe_point(self, now: float, epoch_end: bool) -> None:
+        self._check.at_safe_point(self, epoch_end)  # under procckpt check only
         triggers = self._triggers
         flags = triggers.wanted(now, epoch_end, self.epoch)
         if self._dist is not None:
@@ -428,12 +432,6 @@ class Checkpointer:
         self._exiting = True
         self.close()
         raise SystemExit(code)
-
-    def _left_loop_early(self, loop: str = "epochs") -> None:
-        """The ``epochs()`` loop was closed before its end: a ``break``, an exception, or
-        our own stop. Only the first needs words: nothing marks the run complete."""
-        if not (self._finished or self._exiting):  # the loop's caller, past the generator
-            self._progress.warn_left_early(loop, sys._getframe(2))
 
     def _finish(self) -> None:
         if self._finished:

@@ -1,0 +1,337 @@
+"""``procckpt check``: prove, in a minute, that a script resumes exactly, before the real job.
+
+The command runs the script under ``procckpt run`` (hooks engine) in throwaway checkpoint dirs:
+
+    A  steps 1..N without a stop                     the reference
+    B  the same again                                is the script deterministic at all?
+    C  stopped at step K (checkpoint, exit), then    the real resume: a new process, the
+       run again: resumes, goes on to step N         checkpoint, the restored position
+
+Each run records a CRC-32 of every part of the state after every step (training/check.py) and
+saves a checkpoint at step N. The verdict compares B with A (else a resume could not be judged)
+and C with A: the saved state at step N part by part, bit for bit, and the first step whose
+fingerprint differs, so the part that is lost on a resume, and from when, can be named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UsageError
+
+__all__ = ["run_check", "Verdict"]
+
+#: Exit codes: exact, differs or not deterministic, bad input.
+EXACT, DIFFERS, BAD_INPUT = 0, 1, 2
+RUN_TIMEOUT = 900.0
+
+
+@dataclass
+class Run:
+    """One run of the command in its own checkpoint dir (C runs twice there)."""
+
+    name: str
+    dir: Path
+    codes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.dir.parent / f"{self.name}.log"
+
+    def where(self) -> dict[int, tuple[int, int]]:
+        """step -> (epoch, batch) after it, from rank 0's trace."""
+        found = {}
+        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
+            entry = json.loads(line)
+            found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
+        return found
+
+    def traces(self) -> dict[int, dict[int, dict[str, int]]]:
+        """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
+        by the stopped and the resumed process, keeps the later line)."""
+        found: dict[int, dict[int, dict[str, int]]] = {}
+        for path in self.dir.parent.glob(f"{self.name}.trace.*"):
+            rank = int(path.name.rsplit(".", 1)[1])
+            steps = found.setdefault(rank, {})
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                steps[int(entry["step"])] = entry["parts"]
+        return found
+
+
+@dataclass(frozen=True)
+class Verdict:
+    code: int
+    line: str
+    details: list[str]
+
+
+def run_check(command: list[str], steps: int, at: int | None, keep: bool = False,
+              ) -> Verdict:
+    """Check that ``command`` resumes exactly over ``steps`` steps, stopped at ``at`` (by
+    default once in the middle of an epoch and once at the end of one).
+
+    Raises:
+        UsageError: bad input (too few steps, a command that does not use procckpt).
+    """
+    if steps < 2:
+        raise UsageError(f"--steps {steps}: at least 2, to stop in the middle")
+    if at is not None and not 1 <= at < steps:
+        raise UsageError(f"--at {at}: between 1 and {steps - 1} (--steps {steps})")
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="procckpt-check-"))
+    try:
+        a = _run(work, "a", command, steps, None)
+        last = _last_step(a)
+        if last < steps:  # the script has fewer steps: check the ones it has
+            if last < 2:
+                raise UsageError(f"the command trained {last} step(s) in all: too few to stop "
+                                 "in the middle")
+            steps = last
+            a = _run(work, "a2", command, steps, None)
+        b = _run(work, "b", command, steps, None)
+        resumed = []
+        for name, stop_at in _stops(a, steps, at):
+            c = _run(work, name, command, steps, stop_at)
+            if _last_step(c) != stop_at:
+                raise UsageError(f"the command did not stop at step {stop_at} as asked: it "
+                                 f"went on to step {_last_step(c)} (procckpt check --keep "
+                                 "keeps its output)")
+            resumed.append((_run(work, name, command, steps, stop_at, again=c), stop_at))
+        verdict = _verdict(a, b, resumed, steps)
+        runs = sum(run.seconds for run in (a, b, *(c for c, _ in resumed)))
+        verdict.details.append(f"{2 + 2 * len(resumed)} runs of the command took {runs:.1f}s "
+                               f"of the check's {time.monotonic() - started:.1f}s")
+        return verdict
+    finally:
+        if keep:
+            print(f"procckpt check: the runs' dirs, logs and traces are kept in {work}",
+                  file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _stops(a: Run, steps: int, at: int | None) -> list[tuple[str, int]]:
+    """Where to stop and resume: ``at``, or the middle of an epoch and the end of one (the
+    steps nearest the middle of the run), as the reference run's trace shows its epochs."""
+    if at is not None:
+        return [("c", at)]
+    where = a.where()
+    middle = steps // 2
+
+    def nearest(candidates: list[int]) -> int | None:
+        return min(candidates, key=lambda s: (abs(s - middle), s)) if candidates else None
+
+    ends = [s for s in range(1, steps) if where[s + 1][0] != where[s][0]]
+    mid = nearest([s for s in range(1, steps) if s not in ends]) or middle
+    end = nearest(ends)
+    return [("c", mid)] + ([("d", end)] if end is not None else [])
+
+
+def _run(work: Path, name: str, command: list[str], end: int, stop_at: int | None,
+         again: Run | None = None) -> Run:
+    run = again or Run(name, work / name)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PROCCKPT_CHECK": json.dumps({"end": end, "stop_at": stop_at,
+                                         "trace": str(work / f"{name}.trace")})}
+    for variable in ("PROCCKPT_TOKEN", "PROCCKPT_DIR", "PROCCKPT_FORCE"):
+        env.pop(variable, None)
+    argv = [sys.executable, "-m", "procckpt", "run", "--dir", str(run.dir), "--engine", "hooks",
+            "--interval", "off", "--hang-timeout", "off", "--keep", "2", "--", *command]
+    started = time.monotonic()
+    with open(run.log, "a") as log:
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                  env=env, timeout=RUN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise UsageError(f"a run of the command took over {RUN_TIMEOUT:.0f}s: give fewer "
+                             f"--steps (see {run.log})") from None
+    run.codes.append(done.returncode)
+    run.seconds += time.monotonic() - started
+    if done.returncode not in (0, 75):
+        raise UsageError(f"the command failed with exit code {done.returncode}: "
+                         f"{_last_words(run.log)} (procckpt check --keep keeps its output)")
+    if not run.traces():
+        raise UsageError("the command reached no safe point of procckpt.Checkpointer: check "
+                         "needs a script that uses it (ckpt.epochs(), batches() or steps())")
+    return run
+
+
+def _last_words(log: Path) -> str:
+    """The command's own last line of output (not the launcher's)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if line.strip() and not line.startswith("procckpt:")]
+    return lines[-1].strip()[:200] if lines else "no output"
+
+
+def _last_step(run: Run) -> int:
+    return max(run.traces().get(0, {0: {}}))
+
+
+def _unused_streams(*runs: Run) -> set[str]:
+    """Random streams no run drew from (the same fingerprint at every step of each run): their
+    seed from the OS differs between processes and means nothing; they are not compared."""
+    unused: set[str] | None = None
+    for run in runs:
+        for steps in run.traces().values():
+            seen: dict[str, set[int]] = {}
+            for parts in steps.values():
+                for name, crc in parts.items():
+                    if name.startswith(("rng.", "epoch_rng.")):
+                        seen.setdefault(name, set()).add(crc)
+            constant = {name for name, crcs in seen.items() if len(crcs) == 1}
+            unused = constant if unused is None else unused & constant
+    return unused or set()
+
+
+def _verdict(a: Run, b: Run, resumed: list[tuple[Run, int]], steps: int) -> Verdict:
+    ranks = sorted(a.traces())
+    who = f" ({len(ranks)} ranks)" if len(ranks) > 1 else ""
+    ignore = _unused_streams(a, b, *(c for c, _ in resumed))
+    noise = _first_difference(a, b, steps, ignore)
+    if noise is not None:
+        step, rank, parts = noise
+        return Verdict(DIFFERS, f"not deterministic: two runs without a resume already differ "
+                       f"in {_names(parts)} from step {step} on{_rank(rank, ranks)}", [
+                           "so a resume cannot be judged. Make the script repeatable: a fixed "
+                           "seed (torch.manual_seed, random.seed, numpy), no seed from the "
+                           "clock, torch.use_deterministic_algorithms(True), and data-loader "
+                           "worker seeds from the seed (generator=, worker_init_fn)"])
+    where = a.where()
+    stops = " and ".join(f"{_place(where, stop_at, steps)} at step {stop_at}"
+                         for _, stop_at in resumed)
+    for c, stop_at in resumed:
+        lost = _first_difference(a, c, steps, ignore)
+        if lost is not None:
+            step, rank, parts = lost
+            return Verdict(DIFFERS, f"differs: after the resume {_place(where, stop_at, steps)}"
+                           f" at step {stop_at}, {_names(parts)} "
+                           f"{'differ' if len(parts) > 1 else 'differs'} from step {step} on"
+                           f"{_rank(rank, ranks)}",
+                           [*_likely_causes(parts, step, stop_at),
+                            *_per_rank(a, c, steps, ignore, ranks)])
+    parts = sorted(set(a.traces()[0][steps]) - ignore)
+    details = [f"compared after each step and in the checkpoint at step {steps}: "
+               f"{', '.join(parts)}"]
+    if ignore:
+        details.append(f"not compared: {', '.join(sorted(ignore))} (no run drew from them "
+                       "after its start: a resume loses nothing there)")
+    if len(ranks) > 1:
+        details.append(f"ranks {', '.join(map(str, ranks))}: each exact")
+    return Verdict(EXACT, f"exact: stopped {stops}, each resumed in a new process, and "
+                   f"bit-identical to the run without a stop at every step to {steps}{who}",
+                   details)
+
+
+def _place(where: dict[int, tuple[int, int]], step: int, steps: int) -> str:
+    """Where ``step`` is in its epoch, in words."""
+    if step < steps and where[step + 1][0] != where[step][0]:
+        return "at the end of an epoch"
+    return "in the middle of an epoch" if where[step][1] else "in the middle"
+
+
+def _per_rank(a: Run, c: Run, steps: int, ignore: set[str], ranks: list[int]) -> list[str]:
+    """Each rank's own verdict, in a group."""
+    if len(ranks) < 2:
+        return []
+    lines = []
+    for rank in ranks:
+        only = Run(a.name, a.dir), Run(c.name, c.dir)
+        lost = _first_difference(*only, steps, ignore, ranks=[rank], saved=False)
+        lines.append(f"rank {rank}: exact" if lost is None else
+                     f"rank {rank}: {_names(lost[2])} from step {lost[0]}")
+    return lines
+
+
+def _first_difference(x: Run, y: Run, steps: int, ignore: set[str],
+                      ranks: list[int] | None = None, saved: bool = True,
+                      ) -> tuple[int, int, list[str]] | None:
+    """The first step (and rank, and parts) at which two runs' fingerprints differ, the saved
+    checkpoint at ``steps`` included, ``ignore`` left out; None when they never do."""
+    tx, ty = x.traces(), y.traces()
+    for step in range(1, steps + 1):
+        for rank in ranks if ranks is not None else sorted(tx):
+            px, py = tx[rank].get(step), ty.get(rank, {}).get(step)
+            if px is None or py is None:
+                continue
+            parts = sorted(k for k in px.keys() | py.keys()
+                           if px.get(k) != py.get(k) and k not in ignore)
+            if parts:
+                return step, rank, parts
+    if not saved:
+        return None
+    differ = [p for p in _saved_differences(x.dir, y.dir) if p.split(":")[-1] not in ignore]
+    return (steps, 0, differ) if differ else None
+
+
+def _saved_differences(x: Path, y: Path) -> list[str]:
+    """The parts in which the newest checkpoints of two dirs differ (every ``.pt`` file)."""
+    import torch
+
+    from .training.check import fingerprints
+
+    def newest(root: Path) -> Path:
+        return sorted((root / "checkpoints").glob("ckpt-*"))[-1]
+
+    differ = []
+    fx, fy = newest(x), newest(y)
+    for path in sorted(fx.glob("*.pt")):
+        other = fy / path.name
+        if not other.exists():
+            differ.append(path.name)
+            continue
+        px = fingerprints(torch.load(path, weights_only=True))
+        py = fingerprints(torch.load(other, weights_only=True))
+        prefix = "" if path.name == "state.pt" else f"{path.stem}:"
+        differ += [prefix + k for k in sorted(px.keys() | py.keys()) if px.get(k) != py.get(k)]
+    return differ
+
+
+def _names(parts: list[str]) -> str:
+    shown = ", ".join(parts[:6]) + (f" and {len(parts) - 6} more" if len(parts) > 6 else "")
+    return shown
+
+
+def _rank(rank: int, ranks: list[int]) -> str:
+    return f" (rank {rank})" if len(ranks) > 1 else ""
+
+
+def _likely_causes(parts: list[str], step: int, stop_at: int) -> list[str]:
+    """What a resume that loses these parts from this step on usually means, in the script's
+    terms."""
+    rng = [p for p in parts if p.startswith("rng.")]
+    causes = []
+    if step == stop_at + 1 and rng:
+        causes.append("random numbers drawn outside the loop: after Checkpointer() and before "
+                      "the loop (a batch fetched ahead, a mask), or between `for epoch` and "
+                      "`for batch`; on a resume they come from the fresh seed. Draw them inside "
+                      "the loop, or keep their result in ckpt.extras")
+    if step == stop_at + 1 and not rng:
+        causes.append("a value carried from one step to the next in a local variable (a "
+                      "recurrent hidden state, a batch fetched ahead, a running average): "
+                      "the checkpoint holds the state between steps, so keep it in "
+                      "ckpt.extras")
+    if step > stop_at + 1:
+        causes.append(f"something that differs only from step {step}: state reset or drawn "
+                      "at an epoch boundary (work between `for epoch` and `for batch` runs "
+                      "again on a mid-epoch resume), or a value kept outside the checkpoint "
+                      "that is used only now and then")
+    extras = [p for p in parts if p.startswith("extras.")]
+    if extras:
+        causes.append(f"{', '.join(extras)} in ckpt.extras differ: set them at the same point "
+                      "of the step on every run, and reset them where the script resets them")
+    return [f"likely: {cause}" for cause in causes]
+
+
+def describe(verdict: Verdict) -> str:
+    """The verdict line, then its details, for the terminal."""
+    return "\n".join([verdict.line, *(f"  {line}" for line in verdict.details)])

@@ -1,0 +1,113 @@
+"""The training side of ``procckpt check``: a fingerprint of the whole state after every step,
+a stop in the middle, and an end after the steps to compare.
+
+``procckpt check`` sets ``PROCCKPT_CHECK`` (JSON: ``end``, ``stop_at``, ``trace``) and runs the
+script several times. At each safe point after a step the Checkpointer appends one line to the
+trace file: the step, and a CRC-32 of each part of what a checkpoint would hold (every stateful,
+each ``extras`` entry, each random stream, the position). At ``stop_at`` in a run that did not
+resume, it checkpoints and exits as after a stop; at ``end`` it saves a checkpoint and exits 0,
+so the runs can be compared bit for bit at the same step. (Every rank of a group runs the same
+steps, so both saves happen at the same step everywhere, without the ranks' agreement.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from typing import Any
+
+import torch
+
+from ..store.checksum import crc32
+
+__all__ = ["ENV_CHECK", "CheckHook", "NoCheck", "check_hook", "fingerprints"]
+
+ENV_CHECK = "PROCCKPT_CHECK"
+#: What the check's checkpoints are recorded with: the stop in the middle, the last one.
+STOP_REASON = "check-stop"
+END_REASON = "check-end"
+
+
+def fingerprints(payload: dict[str, Any]) -> dict[str, int]:
+    """A CRC-32 per part of a checkpoint payload: ``statefuls.NAME``, ``extras.KEY``,
+    ``rng.STREAM``, ``epoch_rng.STREAM``, ``loader_state``, ``progress``."""
+    parts: dict[str, Any] = {}
+    for group in ("statefuls", "extras", "rng", "epoch_rng"):  # epoch_rng: at the epoch's start
+        for key, value in (payload.get(group) or {}).items():
+            parts[f"{group}.{key}"] = value
+    if payload.get("loader_state") is not None:  # a stateful loader's own
+        parts["loader_state"] = payload["loader_state"]
+    progress = dict(payload.get("progress") or {})
+    progress.pop("loader", None)  # its shape, not its position
+    parts["progress"] = progress
+    return {name: _crc(value) for name, value in sorted(parts.items())}
+
+
+def _crc(value: Any, crc: int = 0) -> int:
+    if isinstance(value, torch.Tensor):
+        local = getattr(value, "to_local", None)  # a DTensor: this rank's shard
+        t = (local() if callable(local) else value).detach().cpu().contiguous()
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        return crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)  # the buffer: no copy
+    if isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            crc = _crc(value[key], zlib.crc32(repr(key).encode(), crc))
+        return crc
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            crc = _crc(item, crc)
+        return zlib.crc32(type(value).__name__.encode(), crc)
+    np = __import__("sys").modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        return zlib.crc32(value.tobytes(), zlib.crc32(str(value.dtype).encode(), crc))
+    return zlib.crc32(repr(value).encode(), crc)
+
+
+class NoCheck:
+    """Not under ``procckpt check``: nothing to record."""
+
+    def at_safe_point(self, ck: Any, epoch_end: bool) -> None:
+        pass
+
+
+class CheckHook:
+    """Under ``procckpt check``: records the trace, stops at ``stop_at``, ends at ``end``."""
+
+    def __init__(self, end: int, stop_at: int | None, trace: str) -> None:
+        self.end, self.stop_at, self.trace = end, stop_at, trace
+        self._recorded: int | None = None
+
+    def at_safe_point(self, ck: Any, epoch_end: bool) -> None:
+        step = ck.step
+        if self._recorded is None and ck.resumed_from is not None:
+            self._recorded = ck.resumed_from.step  # the stopped process recorded it
+        if step == self._recorded:  # an epoch's end after its last step: nothing new
+            return
+        self._recorded = step
+        line = {"step": step, "epoch": ck.epoch, "batch": ck.batch,
+                "parts": fingerprints(ck._payload())}
+        with open(f"{self.trace}.{ck.rank}", "a") as f:  # every rank its own
+            f.write(json.dumps(line) + "\n")
+        # Every rank of a group gets here at the same step: the saves below are collective.
+        if step == self.stop_at and ck.resumed_from is None:
+            ck.save(STOP_REASON)
+            self._leave(ck, ck._context.stop_exit_code)
+        elif step >= self.end:
+            ck.save(END_REASON)
+            self._leave(ck, 0)
+
+    @staticmethod
+    def _leave(ck: Any, code: int) -> None:
+        ck._exiting = True
+        ck.close()
+        raise SystemExit(code)
+
+
+def check_hook() -> CheckHook | NoCheck:
+    """The hook ``PROCCKPT_CHECK`` asks for (the no-op one when it is unset)."""
+    raw = os.environ.get(ENV_CHECK)
+    if not raw:
+        return NoCheck()
+    spec = json.loads(raw)
+    return CheckHook(int(spec["end"]), spec.get("stop_at"), str(spec["trace"]))

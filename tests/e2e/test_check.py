@@ -1,0 +1,91 @@
+"""Issue 26: ``procckpt check`` tells a script that resumes exactly from one that does not, and
+from one that is not deterministic at all; real scripts, real processes, real resumes."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
+
+
+def check(workdir: Path, *command: str, steps: int = 12) -> subprocess.CompletedProcess[str]:
+    """``procckpt check`` with its scratch dirs under ``workdir/tmp`` (TMPDIR), so that a
+    test can see that it cleans up after itself."""
+    tmp = workdir / "tmp"
+    tmp.mkdir(exist_ok=True)
+    done = run([*procckpt_argv(), "check", "--steps", str(steps), "--", *command], cwd=workdir,
+               timeout=600, env={"TMPDIR": str(tmp)})
+    # (torch keeps caches of its own there: torchinductor_root, torchelastic_*)
+    assert not list(tmp.glob("procckpt-check-*")), "the check left its runs behind"
+    assert sorted(p.name for p in workdir.iterdir()) == ["tmp"], "the check wrote into the cwd"
+    return done
+
+
+def test_a_script_that_resumes_exactly_is_said_to_be_exact(workdir: Path):
+    done = check(workdir, PYTHON, str(PROGRAMS / "tiny_train.py"), "--epochs", "3", "--n", "128")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    first, *details = done.stdout.splitlines()
+    assert first == ("exact: stopped in the middle of an epoch at step 6 and at the end of an "
+                     "epoch at step 4, each resumed in a new process, and bit-identical to the "
+                     "run without a stop at every step to 12"), done.stdout
+    assert "statefuls.model, statefuls.optimizer" in details[0], details
+    assert "rng.torch" in details[0] and "progress" in details[0]
+
+
+def test_a_recurrent_state_carried_in_a_local_differs_and_kept_in_extras_is_exact(
+        workdir: Path):
+    script = [PYTHON, str(PROGRAMS / "recurrent_train.py")]
+    local = check(workdir, *script, "--hidden", "local")
+    assert local.returncode == 1, local.stdout + local.stderr[-3000:]
+    first = local.stdout.splitlines()[0]
+    assert first == ("differs: after the resume in the middle of an epoch at step 6, "
+                     "statefuls.model differs from step 7 on"), local.stdout
+    assert "likely: a value carried from one step to the next in a local variable" in \
+        local.stdout
+    kept = check(workdir, *script, "--hidden", "extras")
+    assert kept.returncode == 0, kept.stdout + kept.stderr[-3000:]
+    assert kept.stdout.startswith("exact: ") and "extras.hidden" in kept.stdout, kept.stdout
+
+
+def test_a_batch_fetched_ahead_outside_extras_differs(workdir: Path):
+    done = check(workdir, PYTHON, str(PROGRAMS / "prefetch_train.py"), "--adapt", "naive",
+                 "--max-iters", "30")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("differs: after the resume in the middle at step 6, "
+                                  "statefuls.model, statefuls.optimizer differ from step 7"), \
+        done.stdout
+    assert "a batch fetched ahead" in done.stdout
+
+
+def test_a_script_seeded_from_the_clock_is_not_deterministic(workdir: Path):
+    done = check(workdir, PYTHON, str(PROGRAMS / "recurrent_train.py"), "--hidden", "extras",
+                 "--seed", "clock")
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("not deterministic: two runs without a resume already "
+                                  "differ in "), done.stdout
+    assert "no seed from the clock" in done.stdout
+
+
+def test_a_two_rank_torchrun_script_is_checked_rank_by_rank(workdir: Path):
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    done = check(workdir, torchrun, "--standalone", "--nproc-per-node", "2",
+                 str(EXAMPLES / "ddp_train.py"), "--epochs", "2", "--train-size", "256",
+                 steps=8)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: ") and "(2 ranks)" in done.stdout, done.stdout
+    assert "ranks 0, 1: each exact" in done.stdout
+
+
+def test_bad_input_is_said_in_one_line_with_exit_2(workdir: Path):
+    plain = check(workdir, PYTHON, "-c", "print('no procckpt here')")
+    assert plain.returncode == 2, plain.stdout + plain.stderr
+    assert plain.stderr.strip().splitlines() == [
+        "procckpt: error: the command reached no safe point of procckpt.Checkpointer: check "
+        "needs a script that uses it (ckpt.epochs(), batches() or steps())"]
+    short = check(workdir, PYTHON, str(PROGRAMS / "tiny_train.py"), "--epochs", "1", "--n", "32")
+    assert short.returncode == 2 and "trained 1 step(s) in all: too few" in short.stderr, \
+        short.stderr
+    failing = check(workdir, PYTHON, "-c", "import sys; sys.exit('broken script')")
+    assert failing.returncode == 2 and "failed with exit code 1: broken script" in \
+        failing.stderr, failing.stderr
