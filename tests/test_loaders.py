@@ -178,7 +178,11 @@ class TransformWithItsOwnRandom(Noisy):
 
 
 def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sample():
-    from procckpt.training.loaders import _not_repeatable
+    from procckpt.training.loaders import sample_seed, seed_streams
+    from procckpt.training.probe import not_repeatable
+
+    def _not_repeatable(dataset: Dataset) -> str:
+        return not_repeatable(dataset, lambda i: seed_streams(sample_seed(0, i)))
 
     flips = CoinFlip()
     assert flips.rng.random() >= 0.5 and flips.rng.random() >= 0.5  # the same outcome twice
@@ -189,7 +193,7 @@ def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sampl
     assert "self.rng" in _not_repeatable(Noisy(own=True)) or "differed" in \
         _not_repeatable(Noisy(own=True))
     assert _not_repeatable(LazyFile()) == ""  # no replay for a lazy open or a read counter
-    from procckpt.training.loaders import _own_state
+    from procckpt.training.probe import own_state
 
-    assert list(_own_state(TransformWithItsOwnRandom())) == ["self.transform.rng"]
+    assert list(own_state(TransformWithItsOwnRandom())) == ["self.transform.rng"]
     assert _not_repeatable(TransformWithItsOwnRandom()) != ""

@@ -14,9 +14,9 @@ draws from:
   a sample's random transform no longer depends on which worker loaded it or what came before.
 
 Before skipping, a forked child loads a few samples twice each from the same random state and
-watches the generators the data set holds; if two loads differ or a generator moved (the data
-set draws from a generator of its own, reads the clock...) the batches are replayed instead:
-produced again and dropped, as for an ``IterableDataset`` or a plain iterable.
+watches the generators the data set holds (probe.py); if two loads differ or a generator moved
+(the data set draws from a generator of its own, reads the clock...) the batches are replayed
+instead: produced again and dropped, as for an ``IterableDataset`` or a plain iterable.
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ import contextlib
 import hashlib
 import logging
 import operator
-import os
 import random
-import signal
 import sys
-import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from ..errors import UsageError
+from .probe import not_repeatable
 
 __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples",
            "loader_shape", "map_position"]
@@ -44,8 +42,6 @@ __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSam
 logger = logging.getLogger(__name__)
 
 SKIPPED = "skipped the sampler's indices"
-#: Seconds a test load of one sample may take before the resume replays instead.
-PROBE_TIMEOUT = 120.0
 
 
 def check_loader(loader: object) -> None:
@@ -85,7 +81,8 @@ def open_at(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], str]:
     skipping: _SkipFirst | None = None
     reason = ""
     if skip:
-        reason = _not_repeatable(loader.dataset)
+        reason = not_repeatable(loader.dataset,
+                                lambda index: seed_streams(sample_seed(0, index)))
         if not reason:
             field = "batch_sampler" if loader.batch_sampler is not None else "sampler"
             skipping = swaps[field] = _SkipFirst(getattr(loader, field), skip)
@@ -251,174 +248,6 @@ def _replay(iterator: Iterator[Any], skip: int, why: str) -> str:
     advance(iterator, skip)
     return (f"replayed the {skip} batches trained before the restart ({why}: its cost grows "
             "with the position)")
-
-
-#: The samples the probe loads (first, middle, last), and how deep it looks into the data
-#: set's attributes for state of its own.
-PROBE_SAMPLES = 3
-STATE_DEPTH = 3
-STATE_OBJECTS = 256
-
-
-def _not_repeatable(dataset: Any) -> str:
-    """Why skipping the samples of ``dataset`` would not be exact ("" when it would).
-
-    A sample must be a function of its index and the global random streams. Chance must not
-    decide that: a coin-flip augmentation from a generator of the data set's own gives the same
-    sample twice in a row half the time. So, for a few samples (first, middle, last), each is
-    loaded once (a lazily opened file or a cache fills), then the data set's own state is
-    noted (the generators it holds, a few attributes deep), each sample is loaded
-    twice more from the same random state and compared (NaN equal to NaN), and the state is
-    noted again: a sample that differs, or a state that moved, means replay.
-
-    The loads run in a forked child, so that they move nothing the data set keeps (a generator
-    of its own, a cache) in this process: the run goes on as if they had not happened.
-    """
-    try:
-        size = len(dataset)
-    except TypeError:
-        return "a data set without len()"
-    if not size:
-        return ""
-    if not hasattr(os, "fork"):
-        return "no fork() here to load a sample without touching the data set"
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: only os._exit, no clean-up of the parent's state
-        code = 3
-        try:
-            os.close(read)
-            why = _probe(dataset, size)
-            os.write(write, why.encode()[:4096])
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    code = _wait_child(pid, PROBE_TIMEOUT)
-    with os.fdopen(read, "rb") as f:
-        why = f.read().decode(errors="replace")
-    if code != 0:
-        return f"a test load of the data set in a child process failed ({code})"
-    return why
-
-
-def _probe(dataset: Any, size: int) -> str:
-    """The child's side of :func:`_not_repeatable`: why the data set is not repeatable."""
-    indices = sorted({0, size // 2, size - 1})[:PROBE_SAMPLES]
-    for i in indices:  # first loads: lazy opens, caches
-        seed_streams(sample_seed(0, i))
-        dataset[i]
-    before = _own_state(dataset)
-    for i in indices:
-        loads = []
-        for _ in range(2):
-            seed_streams(sample_seed(0, i))
-            loads.append(dataset[i])
-        if not _same(*loads):
-            return (f"sample {i}, loaded twice from the same random state, differed: the data "
-                    "set draws from a generator of its own or reads something that changes; "
-                    "draw from torch's, Python's or NumPy's global streams to make the resume "
-                    "skip instead")
-    after = _own_state(dataset)
-    moved = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
-    if moved:
-        return (f"the data set's own state changed as samples were read ({', '.join(moved[:3])})"
-                ": a generator of its own, which a skip would not move; draw from "
-                "torch's, Python's or NumPy's global streams to make the resume skip instead")
-    return ""
-
-
-def _own_state(dataset: Any) -> dict[str, Any]:
-    """What a data set keeps that reading may move and a skip would not: the state of every
-    random generator it holds (in its attributes, at most :data:`STATE_DEPTH` deep), by
-    attribute path. (A counter of reads or a cache changes too, but a sample that depends on
-    it differs between two loads.)"""
-    np = sys.modules.get("numpy")
-    found: dict[str, Any] = {}
-    seen: set[int] = set()
-    todo: list[tuple[str, Any, int]] = [("self", dataset, 0)]
-    while todo and len(seen) < STATE_OBJECTS:
-        path, obj, depth = todo.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        state = _generator_state(obj, np)
-        if state is not None:
-            found[path] = state
-            continue
-        if depth >= STATE_DEPTH or isinstance(obj, (torch.Tensor, bytes, bytearray)) or \
-                (np is not None and isinstance(obj, np.ndarray)):
-            continue
-        if isinstance(obj, dict):
-            items = list(obj.items())[:16]
-            todo += [(f"{path}[{k!r}]", v, depth + 1) for k, v in items]
-        elif isinstance(obj, (list, tuple)):
-            todo += [(f"{path}[{i}]", v, depth + 1) for i, v in enumerate(obj[:16])]
-        else:
-            attributes = getattr(obj, "__dict__", None)
-            if isinstance(attributes, dict):
-                todo += [(f"{path}.{k}", v, depth + 1) for k, v in list(attributes.items())[:64]]
-    return found
-
-
-def _generator_state(obj: Any, np: Any) -> Any:
-    """The state of a random generator, comparable with ``==``; None for anything else."""
-    if isinstance(obj, torch.Generator):
-        return bytes(obj.get_state().numpy())
-    if isinstance(obj, random.Random):
-        return obj.getstate()
-    if np is not None:
-        if isinstance(obj, np.random.Generator):
-            return repr(obj.bit_generator.state)
-        if isinstance(obj, np.random.RandomState):
-            kind, keys, pos, has_gauss, gauss = obj.get_state()
-            return kind, keys.tobytes(), pos, has_gauss, gauss
-    return None
-
-
-def _wait_child(pid: int, timeout: float) -> int | str:
-    """The exit code of child ``pid``, or what ended it; killed after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return f"no answer in {timeout:.0f}s"
-        time.sleep(0.005)
-    if os.WIFEXITED(status):
-        return os.WEXITSTATUS(status)
-    return f"signal {os.WTERMSIG(status)}"
-
-
-def _same(a: Any, b: Any) -> bool:
-    """Whether two loaded samples are equal, through tensors, arrays and containers; a NaN
-    equals a NaN in the same place (it is the same sample)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and a.shape == b.shape):
-            return False
-        if a.is_floating_point() or a.is_complex():
-            return bool(torch.equal(torch.isnan(a), torch.isnan(b))
-                        and torch.equal(torch.nan_to_num(a), torch.nan_to_num(b)))
-        return torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
-    np = sys.modules.get("numpy")
-    if np is not None and (isinstance(a, np.ndarray) or isinstance(b, np.ndarray)):
-        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)
-                and a.dtype == b.dtype and a.shape == b.shape
-                and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")))
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True  # NaN
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a value that cannot say: not provably the same
-        return False
 
 
 @contextlib.contextmanager
