@@ -131,7 +131,7 @@ def _stops(a: Run, steps: int, at: int | None) -> list[tuple[str, int]]:
     def nearest(candidates: list[int]) -> int | None:
         return min(candidates, key=lambda s: (abs(s - middle), s)) if candidates else None
 
-    ends = [s for s in range(1, steps) if where[s + 1][0] != where[s][0]]
+    ends = [s for s in range(1, steps) if _ends_epoch(where, s)]
     mid = nearest([s for s in range(1, steps) if s not in ends]) or middle
     end = nearest(ends)
     return [("c", mid)] + ([("d", end)] if end is not None else [])
@@ -234,9 +234,14 @@ def _verdict(a: Run, b: Run, resumed: list[tuple[Run, int]], steps: int) -> Verd
 
 def _place(where: dict[int, tuple[int, int]], step: int, steps: int) -> str:
     """Where ``step`` is in its epoch, in words."""
-    if step < steps and where[step + 1][0] != where[step][0]:
+    if step < steps and _ends_epoch(where, step):
         return "at the end of an epoch"
-    return "in the middle of an epoch" if where[step][1] else "in the middle"
+    return "in the middle of an epoch" if where.get(step, (0, 0))[1] else "in the middle"
+
+
+def _ends_epoch(where: dict[int, tuple[int, int]], step: int) -> bool:
+    """Whether ``step`` was the last of its epoch (the next one is in another)."""
+    return step in where and step + 1 in where and where[step + 1][0] != where[step][0]
 
 
 def _per_rank(a: Run, c: Run, steps: int, ignore: set[str], ranks: list[int]) -> list[str]:
