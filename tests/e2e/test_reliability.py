@@ -59,7 +59,10 @@ def test_the_deadline_is_asked_for_early_enough_to_cover_a_validation_pass(workd
     # checkpoint is asked for early enough that it lands before the end.
     assert len(events(ckpt, "unconfirmed")) <= 1, res.stderr[-4000:]
     assert "without a safe point" in res.stderr, res.stderr[-4000:]
-    assert res.stderr.count("without a safe point") == 1  # said once, not every cycle
+    # Said once, not at every cycle's start (again only if the lead grew by a tenth, which a
+    # loaded machine can make the measured gap do).
+    said = res.stderr.count("without a safe point")
+    assert said == 1 or said < len(events(ckpt, "cycle")), res.stderr[-4000:]
     assert_bit_identical(expected, out)
 
 
