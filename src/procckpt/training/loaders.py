@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import operator
 import random
@@ -37,7 +38,8 @@ from ..errors import UsageError
 from .probe import not_repeatable
 
 __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples",
-           "loader_shape", "map_position"]
+           "loader_shape", "map_position", "wraps_a_loader", "usable_state",
+           "align_epoch", "streams_kept", "swapped"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,19 +67,26 @@ def check_loader(loader: object) -> None:
             "uninterrupted one: leave in_order at its default (True)")
 
 
-def open_at(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], str]:
+def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
+            ) -> tuple[Iterator[Any], str]:
     """An iterator over ``loader`` whose next batch is batch ``skip`` of the epoch, and how
-    the ones before it were passed over ("" when ``skip`` is 0).
+    the ones before it were passed over ("" when ``skip`` is 0). With ``isolate_loads``, a
+    DataLoader's samples loaded in this process draw from streams of their own, as in a
+    worker (for a caller that fetches ahead, see :func:`_open_wrapper`).
 
     The random streams in place when this is called are those the epoch started with; the
     sampler draws its order from them here, as it did in the uninterrupted run.
     """
+    if wraps_a_loader(loader):
+        return _open_wrapper(loader, skip)
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         iterator = iter(loader)
         return iterator, _replay(iterator, skip, "an IterableDataset or a plain iterable")
     swaps: dict[str, Any] = {}
     if loader.num_workers:
         swaps["dataset"] = SeededSamples(loader.dataset)
+    elif isolate_loads:
+        swaps["dataset"] = SeededSamples(loader.dataset, in_process_seed=_epoch_seed(loader))
     skipping: _SkipFirst | None = None
     reason = ""
     if skip:
@@ -86,7 +95,7 @@ def open_at(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], str]:
         if not reason:
             field = "batch_sampler" if loader.batch_sampler is not None else "sampler"
             skipping = swaps[field] = _SkipFirst(getattr(loader, field), skip)
-    with _swapped(loader, swaps):
+    with swapped(loader, swaps):
         iterator = iter(loader)
     if reason and not loader.num_workers:
         # Worker processes get the data set afresh each epoch; the main process keeps it, and
@@ -102,12 +111,67 @@ def open_at(loader: Iterable[Any], skip: int) -> tuple[Iterator[Any], str]:
     return iterator, SKIPPED
 
 
+def _open_wrapper(loader: Any, skip: int) -> tuple[Iterator[Any], str]:
+    """:func:`open_at` for a wrapper that iterates a DataLoader it holds (Accelerate's
+    ``DataLoaderShard``), and fetches one batch ahead of the one it hands out.
+
+    Fetched ahead, batch k+1 is loaded before step k trains, so a checkpoint after step k
+    holds streams that loading k+1 already drew from: a resume that loads it again draws
+    other numbers. So the samples draw from streams of their own, seeded by the epoch and
+    their index (in worker processes as elsewhere), and the training's streams never see a
+    load: then passing over the sampler's indices is exact, as for a DataLoader.
+    """
+    base = getattr(loader, "base_dataloader", None)
+    name = type(loader).__name__
+    if not isinstance(base, DataLoader) or isinstance(base.dataset, IterableDataset):
+        iterator = iter(loader)
+        return iterator, _replay(iterator, skip, f"{name} iterates a loader that is no "
+                                 "map-style DataLoader")
+    swaps: dict[str, Any] = {"dataset": SeededSamples(base.dataset,
+                                                       in_process_seed=_epoch_seed(base))}
+    reason = ""
+    if skip:
+        reason = not_repeatable(base.dataset, lambda index: seed_streams(sample_seed(0, index)))
+        if not reason:
+            field = "batch_sampler" if base.batch_sampler is not None else "sampler"
+            swaps[field] = _SkipFirst(getattr(base, field), skip)
+
+    def held() -> Iterator[Any]:
+        # The wrapper reads the base loader's fields when its first batch is asked for.
+        with swapped(base, swaps):
+            yield from loader
+
+    iterator = held()
+    if not skip:
+        return iterator, ""
+    if reason:
+        return iterator, _replay(iterator, skip, reason)
+    # The sampler draws the epoch's order at the first fetch: while the epoch's streams
+    # are in place, before the caller restores those of the saved step.
+    try:
+        first = next(iterator)
+    except StopIteration:
+        return iterator, SKIPPED
+    return itertools.chain([first], iterator), SKIPPED
+
+
+def _epoch_seed(loader: DataLoader) -> int:
+    """The epoch's seed for samples loaded in this process, drawn as a DataLoader draws its
+    workers' seed: from the epoch's streams, so the same again on a resume."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+
+
 class SeededSamples(Dataset):
     """A map-style data set whose samples, loaded in a worker process, draw their randomness
-    from streams seeded by the epoch's worker seed and the sample's index alone."""
+    from streams seeded by the epoch's worker seed and the sample's index alone.
 
-    def __init__(self, dataset: Any) -> None:
+    With ``in_process_seed``, samples loaded in this process too, from that seed; there the
+    streams are put back after each sample, so that loading draws nothing from them.
+    """
+
+    def __init__(self, dataset: Any, in_process_seed: int | None = None) -> None:
         self.dataset = dataset
+        self.in_process_seed = in_process_seed
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -118,6 +182,10 @@ class SeededSamples(Dataset):
             # torch gives worker k the seed base + k; the base alone is the same whichever
             # worker loads the sample, which a resume changes.
             seed_streams(sample_seed(info.seed - info.id, index))
+        elif self.in_process_seed is not None:
+            with streams_kept():
+                seed_streams(sample_seed(self.in_process_seed, index))
+                return self.dataset[index]
         return self.dataset[index]
 
     def __getitems__(self, indices: list[Any]) -> list[Any]:
@@ -127,6 +195,10 @@ class SeededSamples(Dataset):
         info = get_worker_info()
         if info is not None:
             seed_streams(sample_seed(info.seed - info.id, indices[0]))
+        elif self.in_process_seed is not None:
+            with streams_kept():
+                seed_streams(sample_seed(self.in_process_seed, indices[0]))
+                return batched(indices)
         return batched(indices)
 
     def __getattr__(self, name: str) -> Any:
@@ -161,6 +233,21 @@ def seed_streams(seed: int) -> None:
         np.random.seed(seed & 0xFFFF_FFFF)
 
 
+@contextlib.contextmanager
+def streams_kept() -> Iterator[None]:
+    """Put torch's CPU, Python's and NumPy's global streams back as they were."""
+    np = sys.modules.get("numpy")
+    saved = (torch.get_rng_state(), random.getstate(),
+             np.random.get_state() if np is not None else None)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        if np is not None and saved[2] is not None:
+            np.random.set_state(saved[2])
+
+
 def advance(iterator: Iterator[Any], skip: int) -> None:
     """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``.
 
@@ -175,6 +262,41 @@ def advance(iterator: Iterator[Any], skip: int) -> None:
                 f"the data loader ran out after {done} batches, but the checkpoint was taken "
                 f"after batch {skip} of this epoch: did the data set or batch size change? Use "
                 "a new checkpoint dir to start over.") from None
+
+
+def wraps_a_loader(loader: object) -> bool:
+    """Whether ``loader`` passes for a DataLoader without being one: Accelerate's
+    ``DataLoaderShard`` answers ``isinstance`` through a ``__class__`` property and iterates
+    the DataLoader it holds, so fields set on it never reach the loader that reads."""
+    return isinstance(loader, DataLoader) and not issubclass(type(loader), DataLoader)
+
+
+def usable_state(loader: object) -> bool:
+    """Whether ``loader`` can be put back where it was through its own
+    ``state_dict()``/``load_state_dict()``. Having the methods is not enough: Accelerate's
+    ``DataLoaderShard`` has both, and its ``state_dict()`` raises when the DataLoader it
+    wraps keeps no state; such a loader is resumed as a plain one."""
+    if getattr(loader, "_procckpt_positioned", False):
+        return False  # its state_dict() is for a framework that asks (see driven.py)
+    if not (callable(getattr(loader, "state_dict", None))
+            and callable(getattr(loader, "load_state_dict", None))):
+        return False
+    try:
+        loader.state_dict()  # type: ignore[attr-defined]
+    except Exception as e:  # whatever it raises, it cannot be saved
+        logger.debug("%s.state_dict() fails (%s: %s): resumed as a plain loader",
+                     type(loader).__name__, type(e).__name__, e)
+        return False
+    return True
+
+
+def align_epoch(loader: object, epoch: int) -> None:
+    """Tell a loader that counts its own passes (Accelerate's ``DataLoaderShard``: its
+    ``iteration`` picks a seedable sampler's order) which epoch this is: a resumed process
+    creates it afresh at pass 0, where the uninterrupted run was at ``epoch``."""
+    if wraps_a_loader(loader) and isinstance(getattr(loader, "iteration", None), int) \
+            and callable(getattr(loader, "set_epoch", None)):
+        loader.set_epoch(epoch)  # type: ignore[attr-defined]
 
 
 def loader_shape(loader: object) -> dict[str, int | None]:
@@ -230,13 +352,21 @@ def map_position(saved: dict[str, Any] | None, now: dict[str, int | None], skip:
 
 
 def loader_generators(loader: object) -> list[torch.Generator]:
-    """Generators a DataLoader draws its order from besides torch's global one."""
+    """Generators a DataLoader draws its order from besides torch's global one: its own, and
+    its samplers' (a few levels down: Accelerate's ``BatchSamplerShard`` holds the batch
+    sampler that holds the sampler whose generator it seeded), in a fixed order."""
     found: list[torch.Generator] = []
-    for owner in (loader, getattr(loader, "sampler", None),
-                  getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+
+    def visit(owner: object, depth: int) -> None:
+        if owner is None or depth > 3:
+            return
         gen = getattr(owner, "generator", None)
         if isinstance(gen, torch.Generator) and all(gen is not g for g in found):
             found.append(gen)
+        for name in ("sampler", "batch_sampler"):
+            visit(getattr(owner, name, None), depth + 1)
+
+    visit(loader, 0)
     return found
 
 
@@ -251,7 +381,7 @@ def _replay(iterator: Iterator[Any], skip: int, why: str) -> str:
 
 
 @contextlib.contextmanager
-def _swapped(loader: DataLoader, swaps: dict[str, Any]) -> Iterator[None]:
+def swapped(loader: DataLoader, swaps: dict[str, Any]) -> Iterator[None]:
     """Give ``loader`` other values for fields it freezes after construction, for the
     creation of one iterator (which keeps what it read); then put them back."""
     saved = {name: getattr(loader, name) for name in swaps}

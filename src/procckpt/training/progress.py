@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 import torch
 
 from ..protocol.events import append_event
-from .loaders import check_loader, loader_generators, loader_shape, map_position, open_at
+from .loaders import (align_epoch, check_loader, loader_generators, loader_shape, map_position,
+                      open_at, usable_state)
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 
 __all__ = ["Progress", "STREAMS_MOVED"]
@@ -149,6 +150,21 @@ class Progress:
             self._epoch_rng = capture_rng()
         self._epoch_used_batches = False
 
+    def enter_epoch(self, epoch: int, first: bool) -> None:
+        """A framework opens its loader for epoch ``epoch`` (see driven.py): the epochs before
+        it are over, and this one starts (or, after a resume, continues)."""
+        if first and self._pending_skip and self.epoch < epoch:
+            # Resumed after the last batch of an epoch, and the framework went on to the next
+            # one: the streams continue from the saved step, as at an epoch boundary, and
+            # the new epoch starts from them (open_loader notes them).
+            self._pending_skip = None
+            self._epoch_rng = None
+        while self.epoch < epoch:
+            self.epoch += 1
+            self.batch = 0
+        self.in_epochs = True
+        self.start_epoch(first)
+
     def end_epoch(self) -> None:
         self.epoch += 1
         self.batch = 0
@@ -157,15 +173,20 @@ class Progress:
             self.step += 1
 
     # -- the batches() loop ----------------------------------------------------------------
-    def open_loader(self, loader: Iterable[T], journal: Path | None = None) -> Iterator[T]:
+    def open_loader(self, loader: Iterable[T], journal: Path | None = None,
+                    isolate_loads: bool = False) -> Iterator[T]:
         """An iterator over ``loader`` at the first batch not yet trained on; how the batches
-        before it were passed over, and what that cost, goes into ``journal``.
+        before it were passed over, and what that cost, goes into ``journal``. With
+        ``isolate_loads``, samples loaded in this process draw from streams of their own
+        (for a caller that fetches batches ahead: see loaders.open_at).
 
         Raises:
             UsageError: the loader keeps state between epochs that no checkpoint reaches.
             ProcckptError: the loader has fewer batches than the checkpoint's position.
         """
         check_loader(loader)
+        if self.in_epochs:
+            align_epoch(loader, self.epoch)
         generators = loader_generators(loader)
         skip = self._pending_skip or 0
         self._pending_skip = None
@@ -185,8 +206,7 @@ class Progress:
             self._epoch_rng["loader_generators"] = generator_states(generators)
         self._loader_generators = generators
         self._epoch_used_batches = True
-        stateful = (loader if callable(getattr(loader, "state_dict", None))
-                    and callable(getattr(loader, "load_state_dict", None)) else None)
+        stateful = loader if usable_state(loader) else None
         self._stateful_loader = stateful
         shape, saved_shape, self._resume_shape = loader_shape(loader), self._resume_shape, None
         self.loader_shape = shape
@@ -201,12 +221,16 @@ class Progress:
                 logger.warning("%s", changed)
                 if journal is not None:
                     append_event(journal, "warning", step=self.step, message=changed)
-            iterator, how = open_at(loader, skip)
+            iterator, how = open_at(loader, skip, isolate_loads)
         self._resume_loader_state = None
         if skip:
             assert self._resume_rng is not None
             restore_rng(self._resume_rng)
-            restore_generators(generators, self._resume_rng.get("loader_generators", []))
+            # The loader's own generators are not put back to the saved step: only the
+            # sampler draws from them, at the start of the pass and at its end (a
+            # RandomSampler draws once more when it runs out), and a loader that looks ahead
+            # (Accelerate's shards) may have reached that end before the saved step. Opened
+            # from the epoch's start state, they draw as the uninterrupted pass did.
             self._resume_rng = None
             seconds = time.monotonic() - started
             if journal is not None:
