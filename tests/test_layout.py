@@ -81,3 +81,18 @@ def test_no_module_is_too_long_to_read_at_once():
     long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
             if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+def test_importing_procckpt_imports_no_framework():
+    """The frameworks are optional: the Checkpointer works without Lightning, Transformers or
+    Accelerate installed, so nothing but the user's own import of an integration loads them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, procckpt; procckpt.Checkpointer; import procckpt.cli; "
+            "print(sorted(m for m in ('lightning', 'pytorch_lightning', 'transformers', "
+            "'accelerate') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -48,11 +48,13 @@ class Run:
         return self.dir.parent / f"{self.name}.log"
 
     def where(self) -> dict[int, tuple[int, int]]:
-        """step -> (epoch, batch) after it, from rank 0's trace."""
+        """step -> (epoch, batch) after it, from rank 0's trace: the steps after which a
+        checkpoint can be taken."""
         found = {}
         for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
             entry = json.loads(line)
-            found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
+            if entry.get("saves", True):
+                found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
         return found
 
     def traces(self) -> dict[int, dict[int, dict[str, int]]]:
@@ -132,7 +134,9 @@ def _stops(a: Run, steps: int, at: int | None) -> list[tuple[str, int]]:
         return min(candidates, key=lambda s: (abs(s - middle), s)) if candidates else None
 
     ends = [s for s in range(1, steps) if _ends_epoch(where, s)]
-    mid = nearest([s for s in range(1, steps) if s not in ends]) or middle
+    # Only steps the trace has: a framework's loop saves nowhere else (not after an epoch's
+    # last batch: see training/driven.py).
+    mid = nearest([s for s in range(1, steps) if s in where and s not in ends]) or middle
     end = nearest(ends)
     return [("c", mid)] + ([("d", end)] if end is not None else [])
 

@@ -8,6 +8,7 @@ whole checkpoint or none of it under its final name.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -31,7 +32,8 @@ class PendingCheckpoint:
     then :meth:`commit`; leaving the ``with`` block without a commit removes it."""
 
     def __init__(self, ckpt_root: Path, seq: int, meta: dict[str, Any],
-                 next_seq: Callable[[], int]) -> None:
+                 next_seq: Callable[[], int],
+                 adopt: Callable[[PendingCheckpoint], None] | None = None) -> None:
         self.ckpt_root = ckpt_root
         self.seq = seq
         self.meta = dict(meta)
@@ -40,6 +42,9 @@ class PendingCheckpoint:
         self.tmp.mkdir(parents=False)
         self.files: dict[str, dict[str, int]] = {}
         self._committed = False
+        #: Called once before the manifest is written, to add files written by others (a
+        #: framework's own checkpoint files) with :meth:`adopt_file`.
+        self._adopt = adopt
 
     def __enter__(self) -> PendingCheckpoint:
         return self
@@ -79,8 +84,27 @@ class PendingCheckpoint:
         _check_name(name)
         self.files[name] = {"bytes": nbytes, "crc32": crc32}
 
+    def adopt_file(self, source: Path) -> None:
+        """Move file ``source`` (written and closed by someone else) into the checkpoint,
+        under its own name; copied where it is on another file system."""
+        target = self.tmp / source.name
+        _check_name(source.name)
+        if target.exists():
+            raise StoreError(f"{source.name} is in the checkpoint already")
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(source, target)
+            os.unlink(source)
+        self.add_file(source.name)
+
     def commit(self) -> CheckpointInfo:
         """Write the manifest and rename the checkpoint into place. Durable on return."""
+        if self._adopt is not None:
+            adopt, self._adopt = self._adopt, None
+            adopt(self)
         if not self.files:
             raise StoreError("refusing to commit a checkpoint with no payload files")
         manifest = {

@@ -30,7 +30,7 @@ import shutil
 import stat
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,9 @@ class CheckpointStore:
         self.control_dir = self.root / "control"
         self.events_path = self.root / "events.jsonl"
         self.complete_path = self.root / COMPLETE
+        #: Adds files that others wrote to each checkpoint before it is committed (a
+        #: framework's own checkpoint files: see integrations/transformers.py).
+        self.adopt: Callable[[PendingCheckpoint], None] | None = None
 
     # -- set-up -----------------------------------------------------------------------------
     def open(self, *, create: bool = True) -> CheckpointStore:
@@ -166,7 +169,8 @@ class CheckpointStore:
 
     def begin(self, meta: dict[str, Any]) -> PendingCheckpoint:
         """Start a new checkpoint; ``meta`` (step, epoch, reason, ...) goes into its manifest."""
-        return PendingCheckpoint(self.ckpt_root, self.next_seq(), meta, self.next_seq)
+        return PendingCheckpoint(self.ckpt_root, self.next_seq(), meta, self.next_seq,
+                                 adopt=self.adopt)
 
     def prune(self) -> list[Path]:
         """Delete old checkpoints: keep the newest ``keep`` valid ones and the best one.
@@ -296,6 +300,15 @@ class CheckpointStore:
                 yield CheckpointInfo(p, self._seq_of(p), manifest)
                 continue
             self.quarantine(p, problem)
+
+    def newest_intact(self) -> CheckpointInfo | None:
+        """The newest intact checkpoint, or None; unlike :meth:`latest_valid`, damaged ones
+        are passed over but not moved aside (for a reader that does not own the dir)."""
+        for p in self._ckpt_dirs():
+            manifest = self._read_manifest(p) if self.verify(p) is None else None
+            if manifest is not None:
+                return CheckpointInfo(p, self._seq_of(p), manifest)
+        return None
 
     def quarantine(self, path: Path, problem: str) -> None:
         """Log that the checkpoint at ``path`` is unusable and move it aside."""

@@ -38,10 +38,18 @@ def fingerprints(payload: dict[str, Any]) -> dict[str, int]:
             parts[f"{group}.{key}"] = value
     if payload.get("loader_state") is not None:  # a stateful loader's own
         parts["loader_state"] = payload["loader_state"]
+    for key, value in payload.items():  # a framework's own checkpoint, beside procckpt's parts
+        if key not in _PROCCKPT_KEYS:
+            parts[f"framework.{key}"] = value
     progress = dict(payload.get("progress") or {})
     progress.pop("loader", None)  # its shape, not its position
     parts["progress"] = progress
     return {name: _crc(value) for name, value in sorted(parts.items())}
+
+
+#: The top-level keys of a payload that are procckpt's (payload.build_payload).
+_PROCCKPT_KEYS = frozenset({"format", "statefuls", "progress", "extras", "rng", "epoch_rng",
+                            "loader_state"})
 
 
 def _crc(value: Any, crc: int = 0) -> int:
@@ -67,7 +75,7 @@ def _crc(value: Any, crc: int = 0) -> int:
 class NoCheck:
     """Not under ``procckpt check``: nothing to record."""
 
-    def at_safe_point(self, ck: Any, epoch_end: bool) -> None:
+    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
         pass
 
 
@@ -78,7 +86,10 @@ class CheckHook:
         self.end, self.stop_at, self.trace = end, stop_at, trace
         self._recorded: int | None = None
 
-    def at_safe_point(self, ck: Any, epoch_end: bool) -> None:
+    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
+        """Record the state after this step; ``saves``: whether this is a point where a
+        checkpoint can be taken (a framework's loop skips an epoch's last batch): the check
+        stops and resumes only at those."""
         step = ck.step
         if self._recorded is None and ck.resumed_from is not None:
             self._recorded = ck.resumed_from.step  # the stopped process recorded it
@@ -86,11 +97,11 @@ class CheckHook:
             return
         self._recorded = step
         line = {"step": step, "epoch": ck.epoch, "batch": ck.batch,
-                "parts": fingerprints(ck._payload())}
+                "parts": fingerprints(ck._payload()), **({} if saves else {"saves": False})}
         with open(f"{self.trace}.{ck.rank}", "a") as f:  # every rank its own
             f.write(json.dumps(line) + "\n")
         # Every rank of a group gets here at the same step: the saves below are collective.
-        if step == self.stop_at and ck.resumed_from is None:
+        if step == self.stop_at and ck.resumed_from is None and saves:
             ck.save(STOP_REASON)
             self._leave(ck, ck._context.stop_exit_code)
         elif step >= self.end:

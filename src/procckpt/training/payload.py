@@ -25,7 +25,7 @@ from ..store import CheckpointInfo
 from .io.mapped import detach_from_file
 
 __all__ = ["PAYLOAD", "PAYLOAD_FORMAT", "Stateful", "build_payload", "checkpoint_meta",
-           "read_payload", "load_statefuls", "collect_statefuls"]
+           "read_payload", "load_statefuls", "collect_statefuls", "is_framework"]
 
 PAYLOAD = "state.pt"
 PAYLOAD_FORMAT = 1
@@ -60,14 +60,30 @@ def build_payload(statefuls: Mapping[str, Stateful], progress: dict[str, Any],
     """
     if "loader_state" in streams:
         _checked(streams["loader_state"], "the data loader's state_dict()")
-    return {
+    payload = {
         "format": PAYLOAD_FORMAT,
         "statefuls": {name: obj.state_dict() for name, obj in statefuls.items()
-                      if not exclude or name not in exclude},
+                      if not (exclude and name in exclude) and not is_framework(obj)},
         "progress": progress,
         **streams,
         "extras": _checked(extras, "extras"),
     }
+    for name, obj in statefuls.items():
+        if is_framework(obj) and not (exclude and name in exclude):
+            outer = _checked(obj.state_dict(), f"the {name} checkpoint")
+            clash = sorted(set(outer) & set(payload))
+            if clash:
+                raise ProcckptError(f"the {name} checkpoint has keys procckpt uses itself: "
+                                    f"{', '.join(map(str, clash))}")
+            payload.update(outer)
+    return payload
+
+
+def is_framework(obj: object) -> bool:
+    """Whether ``obj``'s ``state_dict()`` is a framework's whole checkpoint (Lightning's):
+    its keys go at the top of ``state.pt`` beside procckpt's, so that the framework loads
+    the file with its own tools, and procckpt never loads it back (the framework does)."""
+    return getattr(obj, "procckpt_framework", False) is True
 
 
 def checkpoint_meta(position: tuple[int, int, int], reason: str, restart: int,
@@ -103,6 +119,7 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
     """
     states = payload["statefuls"]
     sharded = set(info.manifest.get("sharded") or [])
+    statefuls = {name: obj for name, obj in statefuls.items() if not is_framework(obj)}
     missing = sorted(set(statefuls) - set(states) - sharded)
     if missing:
         raise ProcckptError(

@@ -1,0 +1,174 @@
+"""Hugging Face ``Trainer``: exact, requeued, verified checkpoints from one callback.
+
+    from procckpt.integrations.transformers import ProcckptCallback
+    cb = ProcckptCallback()
+    trainer = Trainer(..., callbacks=[cb]); trainer.train(resume_from_checkpoint=cb.resume_from)
+
+The Trainer writes its own checkpoint (weights, optimizer, scheduler, RNG, ``trainer_state.json``)
+when procckpt asks for one, and procckpt moves those files into a checkpoint of its store beside
+its ``state.pt`` (the data position and random streams), under one manifest with checksums:
+keep-N, fallback and the launcher's acknowledgement apply to the Trainer's files too. A
+checkpoint directory is therefore also a Trainer checkpoint: ``resume_from`` is the newest one
+that verifies.
+
+What procckpt replaces: the Trainer resumes mid-epoch by reading the batches trained on again
+(``skip_first_batches``) after loading the random streams of the checkpoint, so the order and
+the random transforms of the resumed epoch differ from the uninterrupted run's. Here its
+training loader opens each epoch through procckpt (the order drawn from the epoch's streams,
+the batches trained on passed over without loading them, samples seeded by their index), and
+the Trainer's own skipping is turned off for that loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+try:
+    import transformers.trainer as hf_trainer
+    from transformers import TrainerCallback
+except ImportError as e:
+    raise ImportError("procckpt.integrations.transformers needs Transformers: "
+                      "pip install 'procckpt[transformers]'") from e
+
+from torch.utils.data import DataLoader
+
+from ..errors import ProcckptError
+from ..store import PendingCheckpoint
+from ..training.checkpointer import Checkpointer
+from ..training.driven import DrivenLoop, positioned
+from ._common import newest_verified
+
+__all__ = ["ProcckptCallback"]
+
+logger = logging.getLogger(__name__)
+
+#: The Trainer's checkpoint folder for a step (transformers' PREFIX_CHECKPOINT_DIR).
+_FOLDER = "checkpoint-{}"
+
+
+class ProcckptCallback(TrainerCallback):
+    """Checkpoints a Hugging Face ``Trainer`` where procckpt asks, and resumes it exactly.
+
+    Args:
+        dir: checkpoint directory; under ``procckpt run`` the launcher's choice wins.
+        keep: how many recent checkpoints to keep.
+        interval: also save every ``interval`` seconds (at the next optimizer step's end).
+
+    Attributes:
+        resume_from: the newest checkpoint directory that verifies (a Trainer checkpoint:
+            ``trainer.train(resume_from_checkpoint=...)``), or None.
+        checkpointer: the :class:`procckpt.Checkpointer` behind it (once training started).
+    """
+
+    def __init__(self, dir: str | os.PathLike[str] | None = None, *, keep: int = 2,
+                 interval: float | None = None) -> None:
+        self._settings = {"dir": dir, "keep": keep, "interval": interval}
+        info = newest_verified(dir)
+        self.resume_from: str | None = str(info.path) if info is not None else None
+        self.checkpointer: Checkpointer | None = None
+        self._loop: DrivenLoop | None = None
+        #: The reason of the checkpoint procckpt asked the Trainer to write, until it has.
+        self._wanted: str | None = None
+        self._written: Path | None = None
+        _hand_skipping_to_procckpt()
+
+    # -- the Trainer's events --------------------------------------------------------------
+    def on_train_begin(self, args: Any, state: Any, control: Any, *,
+                       train_dataloader: Any = None, **kwargs: Any) -> None:
+        if self.checkpointer is not None:
+            return
+        # Here: under DDP the process group exists once the TrainingArguments made it.
+        ckpt = Checkpointer(self._settings["dir"], keep=self._settings["keep"],
+                            interval=self._settings["interval"], async_save=False)
+        resumed = ckpt.resumed_from
+        if (resumed is None) != (self.resume_from is None) or (
+                resumed is not None and str(resumed.path) != self.resume_from):
+            ckpt.close()
+            raise ProcckptError(
+                f"the newest checkpoint changed after ProcckptCallback() chose {self.resume_from}"
+                f" (now {resumed and resumed.path}): is another run writing to {ckpt.dir}?")
+        ckpt.store.adopt = self._adopt_trainer_files
+        # A checkpoint procckpt wants is written by the Trainer first (see on_save).
+        ckpt._checkpoint = self._ask_trainer  # type: ignore[method-assign]
+        self.checkpointer, self._loop = ckpt, DrivenLoop(ckpt)
+        base = getattr(train_dataloader, "base_dataloader", train_dataloader)
+        if not isinstance(base, DataLoader):
+            raise ProcckptError(f"the Trainer's training loader is a {type(base).__name__}, "
+                                "not a DataLoader: procckpt cannot position it")
+        positioned(base, self._loop, lambda: getattr(train_dataloader, "iteration", 0))
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._loop is not None:  # a micro-batch of gradient accumulation: no safe point
+            self._loop.ckpt._progress.batch_done()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._loop is None:
+            return
+        last_of_epoch = state.epoch is not None and float(state.epoch).is_integer()
+        self._loop.batch_done(can_save=not last_of_epoch)
+        if self._wanted is not None:
+            control.should_save = True
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._loop is not None and state.max_steps and state.global_step >= state.max_steps:
+            self._wanted = "end"  # the final checkpoint, with the Trainer's files
+            control.should_save = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._wanted is None or self.checkpointer is None:
+            return  # a checkpoint of the Trainer's own schedule: left where it wrote it
+        reason, self._wanted = self._wanted, None
+        self._written = Path(args.output_dir) / _FOLDER.format(state.global_step)
+        ckpt = self.checkpointer
+        try:
+            if reason == "end":
+                ckpt.save("end")
+            else:
+                Checkpointer._checkpoint(ckpt, reason)  # writes, answers, may stop
+        finally:
+            self._written = None
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._loop is not None:
+            self._loop.finish()
+            self._loop.ckpt.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _ask_trainer(self, reason: str) -> None:
+        self._wanted = reason
+
+    def _adopt_trainer_files(self, pending: PendingCheckpoint) -> None:
+        """Move the Trainer's checkpoint files into procckpt's (on the rank that commits)."""
+        folder = self._written
+        if folder is None:
+            return
+        if not folder.is_dir():
+            raise ProcckptError(f"the Trainer wrote no checkpoint in {folder}")
+        for path in sorted(folder.iterdir()):
+            if not path.is_file():
+                raise ProcckptError(
+                    f"the Trainer's checkpoint {folder} holds a directory ({path.name}), which "
+                    "procckpt does not adopt: use a plain DDP setup")
+            pending.adopt_file(path)
+        folder.rmdir()
+
+
+def _hand_skipping_to_procckpt() -> None:
+    """The Trainer's ``skip_first_batches`` returns a loader that procckpt positions as it
+    is: procckpt passes over the batches trained on (the Trainer would read them again)."""
+    original = hf_trainer.skip_first_batches
+    if getattr(original, "procckpt", False):
+        return
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        base = getattr(dataloader, "base_dataloader", dataloader)
+        if getattr(base, "_procckpt_loop", None) is not None:
+            return dataloader
+        return original(dataloader, num_batches)
+
+    skip_first_batches.procckpt = True  # type: ignore[attr-defined]
+    hf_trainer.skip_first_batches = skip_first_batches
+

@@ -1,0 +1,173 @@
+"""Frameworks (issue 27): Lightning, Hugging Face Trainer and Accelerate scripts with procckpt's
+three lines, run under ``procckpt run`` with the hooks engine, resume exactly as a hand-written
+loop does.
+
+Each program trains a small classifier on a shuffling loader with a random transform in
+``__getitem__``, dropout and a step-wise LR schedule: 160 samples in batches of 8, 20 steps an
+epoch (10 a rank under torchrun), 3 epochs. The tests compare the final weights with those of
+an uninterrupted run of the same program, bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from procckpt.protocol.events import read_events
+
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from .test_torchrun import torchrun
+
+PROGRAM = {"lightning": PROGRAMS / "lightning_train.py",
+           "transformers": PROGRAMS / "transformers_train.py",
+           "accelerate": PROGRAMS / "accelerate_train.py"}
+FRAMEWORKS = list(PROGRAM)
+
+
+def needs(framework: str) -> None:
+    module = framework
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed (pip install 'procckpt[{framework}]')")
+
+
+def command(framework: str, *args: str, ranks: int = 1) -> list[str]:
+    if ranks > 1:
+        return torchrun(ranks, PROGRAM[framework], "--ddp", *args)
+    return [PYTHON, str(PROGRAM[framework]), *args]
+
+
+def reference(workdir: Path, framework: str, *args: str, ranks: int = 1) -> Path:
+    out = workdir / "reference.pt"
+    res = run(command(framework, *args, "--out", str(out), ranks=ranks), cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def events(ckpt: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(ckpt / "events.jsonl") if e["event"] == kind]
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["one-process", "torchrun-2-ranks"])
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framework: str,
+                                                          ranks: int):
+    needs(framework)
+    expected = reference(workdir, framework, ranks=ranks)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    # 60 steps (30 a rank): 21 s of training (30 s for Accelerate, which starts in 2 s); a 20 s
+    # cycle, much of it on a loaded machine spent importing the framework, trains 6-14 s.
+    sleep = str((0.5 if framework == "accelerate" else 0.35) * ranks)
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--max-restarts", "40", "--",
+               *command(framework, "--step-sleep", sleep, "--out", str(out), ranks=ranks)],
+              cwd=workdir, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "engine: hooks" in res.stderr, res.stderr[:2000]
+    restarts = [e for e in events(ckpt, "restart") if e["cause"] == "deadline"]
+    assert len(restarts) >= 2, res.stderr[-4000:]
+    mid_epoch = [e for e in events(ckpt, "resume") if e["batch"] > 0]
+    assert len(mid_epoch) >= 2, events(ckpt, "resume")
+    assert_bit_identical(expected, out)
+
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert status.returncode == 0, status.stderr
+    for name in sorted(p.name for p in (ckpt / "checkpoints").glob("ckpt-*")):
+        assert name in status.stdout, status.stdout
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))[-1]
+    said = [line.split()[1] for line in res.stdout.splitlines()
+            if line.startswith("resume_from ")]
+    if framework == "lightning":
+        # What the callback hands to trainer.fit(ckpt_path=...) is a Lightning checkpoint.
+        assert said[0] == "-" and all(s.endswith("/state.pt") for s in said[1:]), said
+        import torch
+
+        saved = torch.load(newest / "state.pt", weights_only=True)
+        assert {"state_dict", "optimizer_states", "lr_schedulers", "loops",
+                "pytorch-lightning_version"} <= saved.keys()
+        # Lightning's own tools read it.
+        load = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[2]); "
+                "from lightning_train import Classifier; m = Classifier.load_from_checkpoint("
+                "sys.argv[1], step_sleep=0.0, hang_at_step=None, marker=Path('x')); "
+                "print('loaded', sum(p.numel() for p in m.parameters()))")
+        loaded = run([PYTHON, "-c", load, str(newest / "state.pt"), str(PROGRAMS)], cwd=workdir)
+        assert "loaded 354" in loaded.stdout, loaded.stderr[-2000:]
+    if framework == "transformers":
+        # ...and to trainer.train(resume_from_checkpoint=...) a Trainer checkpoint, its
+        # files under procckpt's manifest.
+        assert said[0] == "-" and all(Path(s).parent.name == "checkpoints"
+                                      for s in said[1:]), said
+        files = json.loads((newest / "MANIFEST.json").read_text())["files"]
+        assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                "state.pt"} <= files.keys(), files
+        assert not list((workdir / "hf-output").glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(workdir: Path,
+                                                                     framework: str):
+    needs(framework)
+    expected = reference(workdir, framework)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    # A first cycle with periodic checkpoints, stopped at its time limit and not restarted.
+    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+                 "--grace", "4s", "--interval", "1s", "--max-restarts", "0", "--",
+                 *command(framework, "--step-sleep", "0.35", "--out", str(out))],
+                cwd=workdir, timeout=300)
+    assert not out.exists(), first.stderr[-3000:]
+    saved = sorted((ckpt / "checkpoints").glob("ckpt-*"))
+    assert len(saved) >= 2, first.stderr[-3000:]
+    newest, previous = saved[-1], saved[-2]
+    with open(newest / "state.pt", "r+b") as f:  # one flipped byte in the middle
+        f.seek(f.seek(0, 2) // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--",
+               *command(framework, "--out", str(out))], cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (resumed,) = events(ckpt, "resume")[-1:]
+    assert resumed["checkpoint"] == previous.name, resumed
+    assert [e["checkpoint"] for e in events(ckpt, "corrupt")] == [newest.name]
+    if framework == "lightning":
+        assert f"resume_from {previous / 'state.pt'}" in res.stdout, res.stdout[:500]
+    if framework == "transformers":
+        assert f"resume_from {previous}\n" in res.stdout, res.stdout[:500]
+    assert_bit_identical(expected, out)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_a_stuck_step_is_caught_as_a_hang_and_the_run_resumes_exactly(workdir: Path,
+                                                                       framework: str):
+    needs(framework)
+    expected = reference(workdir, framework)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
+               "--hang-timeout", "8s", "--term-timeout", "2s", "--",
+               *command(framework, "--step-sleep", "0.05", "--hang-at-step", "30",
+                        "--out", str(out))], cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-4000:]
+    (hang,) = events(ckpt, "hang")
+    assert 20 <= hang["step"] <= 30, hang  # the 30th step hangs before or after its end
+    assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
+    (resumed,) = events(ckpt, "resume")
+    assert 0 < resumed["step"] <= hang["step"], (resumed, hang)
+    assert_bit_identical(expected, out)
+
+
+def test_lightning_resume_from_is_none_on_a_fresh_start_and_the_finished_run_trains_no_more(
+        workdir: Path):
+    needs("lightning")
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--",
+            *command("lightning", "--epochs", "1", "--out", str(out))]
+    first = run(argv, cwd=workdir, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "resume_from -" in first.stdout
+    complete = json.loads((ckpt / "COMPLETE").read_text())
+    assert complete["step"] == 20, complete
+    again = run(argv, cwd=workdir, timeout=300)
+    assert again.returncode != 0 or "step 1\n" not in again.stdout, again.stdout[-2000:]
