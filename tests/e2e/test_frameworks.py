@@ -171,3 +171,27 @@ def test_lightning_resume_from_is_none_on_a_fresh_start_and_the_finished_run_tra
     assert complete["step"] == 20, complete
     again = run(argv, cwd=workdir, timeout=300)
     assert again.returncode != 0 or "step 1\n" not in again.stdout, again.stdout[-2000:]
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_on_a_gpu_time_limit_cycles_resume_bit_identical(workdir: Path, framework: str):
+    """The GPU path: state on the device, CUDA random streams (dropout), the pinned copies."""
+    needs(framework)
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device; there is none")
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS, in both runs
+    out_ref = workdir / "reference.pt"
+    ref = run(command(framework, "--cuda", "--out", str(out_ref)), cwd=workdir,
+              env={**env, "PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--max-restarts", "40", "--",
+               *command(framework, "--cuda", "--step-sleep", "0.35", "--out", str(out))],
+              cwd=workdir, env=env, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "engine: hooks" in res.stderr, res.stderr[:2000]
+    assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
+    assert_bit_identical(out_ref, out)

@@ -42,11 +42,12 @@ def main() -> None:
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="on the first start, sleep for an hour in this step")
     parser.add_argument("--ddp", action="store_true", help="(torchrun sets up the group)")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=True)
+    accelerator = Accelerator(cpu=not args.cuda)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
@@ -72,7 +73,8 @@ def main() -> None:
                 time.sleep(3600)  # stuck: only the hang timeout ends this
             print(f"step {step}", flush=True)
     if args.out and accelerator.is_main_process:
-        torch.save(accelerator.unwrap_model(model).state_dict(), args.out)
+        state = accelerator.unwrap_model(model).state_dict()
+        torch.save({k: v.cpu() for k, v in state.items()}, args.out)
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="on the first start, sleep for an hour in this step")
     parser.add_argument("--ddp", action="store_true", help="DDP over gloo (under torchrun)")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -82,13 +83,13 @@ def main() -> None:
     cb = ProcckptCallback()
     if os.environ.get("RANK", "0") == "0":
         print(f"resume_from {cb.resume_from or '-'}", flush=True)
-    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu",
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="gpu" if args.cuda else "cpu",
                         devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
                         callbacks=[cb], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, train, val, ckpt_path=cb.resume_from)
     if args.out and trainer.global_rank == 0:
-        torch.save(model.state_dict(), args.out)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
 
 
 if __name__ == "__main__":

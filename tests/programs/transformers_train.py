@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="on the first start, sleep for an hour after this step")
     parser.add_argument("--ddp", action="store_true", help="(torchrun sets up the group)")
+    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -72,7 +73,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir="hf-output", per_device_train_batch_size=8, num_train_epochs=args.epochs,
         learning_rate=1e-3, lr_scheduler_type="linear", save_strategy="no",
-        logging_strategy="no", report_to=[], seed=0, use_cpu=True,
+        logging_strategy="no", report_to=[], seed=0, use_cpu=not args.cuda,
         dataloader_num_workers=args.workers, gradient_accumulation_steps=args.accumulate,
         disable_tqdm=True)
 
@@ -83,7 +84,7 @@ def main() -> None:
                       callbacks=[cb, Steps(args.step_sleep, args.hang_at_step)])
     trainer.train(resume_from_checkpoint=cb.resume_from)
     if args.out and trainer.is_world_process_zero():
-        torch.save(model.state_dict(), args.out)
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
 
 
 if __name__ == "__main__":
