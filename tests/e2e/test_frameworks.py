@@ -109,12 +109,13 @@ def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framewo
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(workdir: Path,
                                                                      framework: str):
     needs(framework)
-    expected = reference(workdir, framework)
+    workers = ("--workers", "2")  # DataLoader worker processes, here
+    expected = reference(workdir, framework, *workers)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     # A first cycle with periodic checkpoints, stopped at its time limit and not restarted.
     first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                  "--grace", "4s", "--interval", "1s", "--max-restarts", "0", "--",
-                 *command(framework, "--step-sleep", "0.35", "--out", str(out))],
+                 *command(framework, *workers, "--step-sleep", "0.35", "--out", str(out))],
                 cwd=workdir, timeout=300)
     assert not out.exists(), first.stderr[-3000:]
     saved = sorted((ckpt / "checkpoints").glob("ckpt-*"))
@@ -127,7 +128,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(workdir: Pat
         f.write(bytes([byte[0] ^ 0xFF]))
 
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--",
-               *command(framework, "--out", str(out))], cwd=workdir, timeout=300)
+               *command(framework, *workers, "--out", str(out))], cwd=workdir, timeout=300)
     assert res.returncode == 0, res.stderr[-4000:]
     (resumed,) = events(ckpt, "resume")[-1:]
     assert resumed["checkpoint"] == previous.name, resumed

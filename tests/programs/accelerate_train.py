@@ -8,42 +8,20 @@ Prints "step N" after each step."""
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+import framework_common
 import procckpt
 
 
-class NoisyBlobs(Dataset):
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(1)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = (self.x[:, 0] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # a random transform
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--n", type=int, default=160)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    parser.add_argument("--hang-at-step", type=int, default=None,
-                        help="on the first start, sleep for an hour in this step")
-    parser.add_argument("--ddp", action="store_true", help="(torchrun sets up the group)")
-    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
-    parser.add_argument("--out", default=None)
+    parser = framework_common.parser()
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -51,7 +29,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
-    loader = DataLoader(NoisyBlobs(args.n), batch_size=8, shuffle=True,
+    loader = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True,
                         num_workers=args.workers)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
                                                               scheduler)

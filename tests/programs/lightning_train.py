@@ -7,7 +7,6 @@ Prints "resume_from PATH" (or "resume_from -") and "step N" after each training 
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -15,22 +14,10 @@ from pathlib import Path
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
+import framework_common
 from procckpt.integrations.lightning import ProcckptCallback
-
-
-class NoisyBlobs(Dataset):
-    def __init__(self, n: int, seed: int = 1) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = (self.x[:, 0] > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i]  # a random transform
 
 
 class Classifier(L.LightningModule):
@@ -63,22 +50,13 @@ class Classifier(L.LightningModule):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--n", type=int, default=160)
-    parser.add_argument("--workers", type=int, default=0)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    parser.add_argument("--hang-at-step", type=int, default=None,
-                        help="on the first start, sleep for an hour in this step")
-    parser.add_argument("--ddp", action="store_true", help="DDP over gloo (under torchrun)")
-    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
-    parser.add_argument("--out", default=None)
+    parser = framework_common.parser()
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = Classifier(args.step_sleep, args.hang_at_step, Path("hung-once"))
-    train = DataLoader(NoisyBlobs(args.n), batch_size=8, shuffle=True, num_workers=args.workers)
-    val = DataLoader(NoisyBlobs(32, seed=2), batch_size=16)
+    train = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True, num_workers=args.workers)
+    val = DataLoader(framework_common.NoisyBlobs(32, seed=2), batch_size=16)
 
     cb = ProcckptCallback()
     if os.environ.get("RANK", "0") == "0":

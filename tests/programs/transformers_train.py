@@ -7,7 +7,6 @@ Prints "resume_from PATH" (or "resume_from -") and "step N" after each optimizer
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from torch.utils.data import Dataset
 from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback,
                           TrainingArguments)
 
+import framework_common
 from procckpt.integrations.transformers import ProcckptCallback
 
 
@@ -52,17 +52,8 @@ class Steps(TrainerCallback):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--n", type=int, default=160)
-    parser.add_argument("--workers", type=int, default=0)
+    parser = framework_common.parser()
     parser.add_argument("--accumulate", type=int, default=1)
-    parser.add_argument("--step-sleep", type=float, default=0.0)
-    parser.add_argument("--hang-at-step", type=int, default=None,
-                        help="on the first start, sleep for an hour after this step")
-    parser.add_argument("--ddp", action="store_true", help="(torchrun sets up the group)")
-    parser.add_argument("--cuda", action="store_true", help="train on the GPU")
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)

@@ -1,13 +1,18 @@
-"""What the framework adapters share: finding the checkpoint a framework should load."""
+"""What the framework adapters share: the checkpoint a framework should load, and a
+Checkpointer that resumed from that same one."""
 
 from __future__ import annotations
 
 import os
 
+from typing import Any
+
+from ..errors import ProcckptError
 from ..store import MARKER, CheckpointInfo, CheckpointStore
+from ..training.checkpointer import Checkpointer
 from ..training.context import default_dir
 
-__all__ = ["newest_verified"]
+__all__ = ["newest_verified", "checkpointer_resumed_from"]
 
 
 def newest_verified(dir: str | os.PathLike[str] | None) -> CheckpointInfo | None:
@@ -20,3 +25,22 @@ def newest_verified(dir: str | os.PathLike[str] | None) -> CheckpointInfo | None
     if not (store.root / MARKER).is_file() or not store.ckpt_root.is_dir():
         return None
     return store.newest_intact()
+
+
+def checkpointer_resumed_from(chosen: CheckpointInfo | None, **settings: Any) -> Checkpointer:
+    """A Checkpointer (``settings`` are its arguments) that resumed from ``chosen``, the
+    checkpoint the framework was told to load before it started.
+
+    Raises:
+        ProcckptError: the newest checkpoint is another one by now (someone else writes the
+            dir, or ``chosen`` cannot be loaded after all).
+    """
+    ckpt = Checkpointer(**settings)
+    resumed = ckpt.resumed_from
+    if (resumed is None) != (chosen is None) or (
+            resumed is not None and chosen is not None and resumed.path != chosen.path):
+        ckpt.close()
+        raise ProcckptError(
+            f"the framework was told to resume from {chosen and chosen.path}, but procckpt "
+            f"resumed from {resumed and resumed.path}: is another run writing to {ckpt.dir}?")
+    return ckpt

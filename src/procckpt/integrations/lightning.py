@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from ..training.checkpointer import Checkpointer
 from ..training.driven import DrivenLoop, kept_apart, positioned
 from ..training.payload import PAYLOAD
-from ._common import newest_verified
+from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
 
@@ -62,7 +62,7 @@ class ProcckptCallback(pl.Callback):
         super().__init__()
         self._settings = {"dir": dir, "keep": keep, "interval": interval,
                           "async_save": async_save}
-        info = newest_verified(dir)
+        self._chosen = info = newest_verified(dir)
         self.resume_from: str | None = str(info.file(PAYLOAD)) if info is not None else None
         self.checkpointer: Checkpointer | None = None
         self._loop: DrivenLoop | None = None
@@ -72,17 +72,8 @@ class ProcckptCallback(pl.Callback):
         if stage != "fit" or self.checkpointer is not None:
             return
         # Here, not in __init__: under DDP the process group exists only once fit started.
-        ckpt = Checkpointer(self._settings["dir"], keep=self._settings["keep"],
-                            interval=self._settings["interval"],
-                            async_save=self._settings["async_save"],
-                            lightning=_TrainerState(trainer))
-        resumed = ckpt.resumed_from
-        if (resumed is None) != (self.resume_from is None) or (
-                resumed is not None and str(resumed.file(PAYLOAD)) != self.resume_from):
-            ckpt.close()
-            raise RuntimeError(
-                f"the newest checkpoint changed after ProcckptCallback() chose {self.resume_from}"
-                f" (now {resumed and resumed.path}): is another run writing to {ckpt.dir}?")
+        ckpt = checkpointer_resumed_from(self._chosen, **self._settings,
+                                         lightning=_TrainerState(trainer))
         self.checkpointer = ckpt
         self._loop = DrivenLoop(ckpt)
         _position_train_loader(trainer, self._loop)
@@ -150,6 +141,12 @@ def _position_train_loader(trainer: pl.Trainer, loop: DrivenLoop) -> None:
                 positioned(dataloader, loop, lambda: trainer.current_epoch)
             elif trainer.state.fn == "fit":  # validation between training batches
                 kept_apart(dataloader)
+        elif trainer.training:
+            logger.warning(
+                "the training loader is a %s, not a DataLoader: procckpt cannot position it, "
+                "so a resume in the middle of an epoch restarts that epoch's data as Lightning "
+                "does (not exact); pass a torch DataLoader for an exact resume",
+                type(dataloader).__name__)
         return dataloader
 
     strategy.process_dataloader = process_and_position  # type: ignore[method-assign]

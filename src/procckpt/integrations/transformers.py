@@ -39,7 +39,7 @@ from ..errors import ProcckptError
 from ..store import PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.driven import DrivenLoop, positioned
-from ._common import newest_verified
+from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
 
@@ -66,7 +66,7 @@ class ProcckptCallback(TrainerCallback):
     def __init__(self, dir: str | os.PathLike[str] | None = None, *, keep: int = 2,
                  interval: float | None = None) -> None:
         self._settings = {"dir": dir, "keep": keep, "interval": interval}
-        info = newest_verified(dir)
+        self._chosen = info = newest_verified(dir)
         self.resume_from: str | None = str(info.path) if info is not None else None
         self.checkpointer: Checkpointer | None = None
         self._loop: DrivenLoop | None = None
@@ -80,16 +80,14 @@ class ProcckptCallback(TrainerCallback):
                        train_dataloader: Any = None, **kwargs: Any) -> None:
         if self.checkpointer is not None:
             return
-        # Here: under DDP the process group exists once the TrainingArguments made it.
-        ckpt = Checkpointer(self._settings["dir"], keep=self._settings["keep"],
-                            interval=self._settings["interval"], async_save=False)
-        resumed = ckpt.resumed_from
-        if (resumed is None) != (self.resume_from is None) or (
-                resumed is not None and str(resumed.path) != self.resume_from):
-            ckpt.close()
+        sharded = [name for name in ("deepspeed", "fsdp") if getattr(args, name, None)]
+        if sharded:
             raise ProcckptError(
-                f"the newest checkpoint changed after ProcckptCallback() chose {self.resume_from}"
-                f" (now {resumed and resumed.path}): is another run writing to {ckpt.dir}?")
+                f"the Trainer runs with {sharded[0]}, whose checkpoints are directory trees "
+                "that procckpt's Trainer integration does not adopt yet: run without "
+                "ProcckptCallback (the Trainer's own save_strategy), or with plain DDP")
+        # Here: under DDP the process group exists once the TrainingArguments made it.
+        ckpt = checkpointer_resumed_from(self._chosen, **self._settings, async_save=False)
         ckpt.store.adopt = self._adopt_trainer_files
         # A checkpoint procckpt wants is written by the Trainer first (see on_save).
         ckpt._checkpoint = self._ask_trainer  # type: ignore[method-assign]
