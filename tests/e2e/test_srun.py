@@ -50,8 +50,11 @@ def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmClus
     events = job.events
     assert [e["reason"] for e in events if e["event"] == "exit"] == \
         ["requeued"] * restarts + ["finished"]
-    # Both ranks stopped at the same step each time; rank 0 only through the agreement.
-    stops = [e for e in events if e["event"] == "checkpoint" and e["reason"] != "end"]
+    # Both ranks stopped at the same step each time; rank 0 only through the agreement. (A
+    # periodic checkpoint, which a slow first cycle may take before its stop, is no stop.)
+    periodic = {"interval", "checkpoint requested on another rank"}
+    stops = [e for e in events if e["event"] == "checkpoint"
+             and e["reason"] != "end" and e["reason"] not in periodic]
     assert len(stops) >= restarts
     assert all(e["reason"] == "stop requested on another rank" for e in stops), stops
     assert any(e["event"] == "resume" and e["batch"] > 0 for e in events)
