@@ -57,10 +57,10 @@ def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framewo
     needs(framework)
     expected = reference(workdir, framework, ranks=ranks)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 60 steps (30 a rank, each rank waiting for the other): 30 s of training for one process,
-    # 21 s for two ranks (torchrun starts slower). A 20 s cycle, much of it spent importing the
-    # framework on a loaded machine, trains 6-14 s: two cycles never finish the run.
-    sleep = "0.5" if ranks == 1 else "0.7"
+    # 60 steps (30 a rank, each rank waiting for the other): 30 s of training. A 20 s cycle,
+    # much of it spent importing the framework on a loaded machine, trains 6-14 s: two cycles
+    # never finish the run.
+    sleep = str(0.5 * ranks)
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                "--grace", "4s", "--max-restarts", "40", "--",
                *command(framework, "--step-sleep", sleep, "--out", str(out), ranks=ranks)],
