@@ -153,8 +153,10 @@ def test_an_end_time_that_is_no_future_time_is_ignored_with_a_warning(bad: str, 
 def test_deadline_is_the_jobs_end_time_and_is_read_again_now_and_then(caplog):
     fake, clock = FakeSlurm(record_line(end=NOW + 600, limit="00:10:00")), Clock()
     deadline = SlurmDeadline(make_job(fake), wall=clock)
+    assert deadline.job_started is None
     assert deadline.end(1000.0, 1000.0) == pytest.approx(1600.0, abs=1)
     assert deadline.limit == 600
+    assert deadline.job_started == pytest.approx(NOW + 300, abs=1)  # StartTime, for goodput
     assert RunConfig().grace_for(deadline.limit) == 60
     reads = len(fake.calls)
     clock.wall += 30

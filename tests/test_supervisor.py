@@ -51,6 +51,7 @@ class World:
     exited: int | None = None
     killed_with: list[int] = field(default_factory=list)
     dumped: list[int] = field(default_factory=list)  # whose stacks were asked for
+    envs: list[dict[str, str]] = field(default_factory=list)  # each cycle's environment
 
     @property
     def cycle(self) -> Cycle:
@@ -71,6 +72,7 @@ class FakeChild:
 
     def __init__(self, world: World, argv: list[str], env: dict[str, str]) -> None:
         self.world = world
+        world.envs.append(env)
 
     def start(self) -> None:
         w = self.world
@@ -194,6 +196,17 @@ def test_deadline_checkpoint_stop_restart_finish(tmp_path: Path):
     assert [round(t) for t, _, _ in stops] == [90, 90]  # time limit 100 - grace 10
     assert journal(world).count("restart") == 2 and journal(world)[-1] == "exit"
     assert took < 5  # 230 s of supervised time in (far) less than a second of real time
+    ends = [e["ended"] for e in read_events(world.store.events_path) if e["event"] == "cycle-end"]
+    assert ends == ["stopped", "stopped", "finished"]
+    # torch.compile's kernels are kept beside the checkpoints: a restart reuses them.
+    assert {env["TORCHINDUCTOR_CACHE_DIR"] for env in world.envs} == \
+        {str(world.store.root / "compile-cache")}
+
+
+def test_a_compile_cache_the_user_chose_is_kept(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    world, _, _ = supervise(tmp_path, [Cycle(exits_at=5, completes=True)])
+    assert world.envs[0]["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_no_confirmation_within_the_grace_stops_and_three_such_cycles_give_up(tmp_path: Path):

@@ -197,11 +197,39 @@ def check(command: tuple[str, ...], steps: int, at: int | None, keep: bool) -> N
 @click.argument("directory", required=False, default="procckpt-checkpoints")
 @click.option("--no-verify", is_flag=True, help="Do not read files to check their checksums.")
 @click.option("--events", default=8, show_default=True, help="How many recent events to show.")
-def status(directory: str, no_verify: bool, events: int) -> None:
-    """Show the checkpoints, restarts and recent events of a checkpoint DIRECTORY."""
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (state, goodput, checkpoints, recent events).")
+def status(directory: str, no_verify: bool, events: int, as_json: bool) -> None:
+    """Show the checkpoints, goodput, restarts and recent events of a checkpoint DIRECTORY."""
+    if as_json:
+        import json
+
+        from .status import status_data
+
+        data = status_data(Path(directory), events=events, verify=not no_verify)
+        click.echo(json.dumps(data, indent=1, default=str))
+        return
     from .status import render_status
 
     click.echo(render_status(Path(directory), events=events, verify=not no_verify))
+
+
+@cli.command()
+@click.argument("directory", required=False, default="procckpt-checkpoints")
+@click.option("-o", "--output", metavar="FILE.html",
+              help="Where to write the page [DIRECTORY/report.html].")
+def report(directory: str, output: str | None) -> None:
+    """Write one self-contained HTML page with the run's timeline: cycles as bars coloured by
+    what their time went to, checkpoints, restarts and their causes, the goodput.
+
+    \b
+    Example:
+        procckpt report procckpt-checkpoints -o run.html   # then open it, or scp it home
+    """
+    from .report import write_report
+
+    path = write_report(Path(directory), Path(output) if output else None)
+    click.echo(f"wrote {path}")
 
 
 @cli.command(context_settings={"allow_interspersed_args": False})

@@ -1,28 +1,55 @@
-"""``procckpt status DIR``: what a checkpoint directory holds, in a table a person can read."""
+"""``procckpt status DIR``: what a checkpoint directory holds and where the run's time went,
+in a table a person can read or (``--json``) one JSON object."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from .durations import format_duration
 from .errors import CheckpointReadError, StoreError
+from .goodput import Goodput, compute_goodput
 from .protocol.events import read_events
 from .store import MARKER, CheckpointStore
 from .store.store import format_size
 
-__all__ = ["render_status"]
+__all__ = ["render_status", "status_data", "LABELS"]
+
+
+def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str, Any]:
+    """What ``procckpt status --json`` prints: the run's state and goodput, its checkpoints
+    (newest first) and its last ``events`` events."""
+    store = _opened(root)
+    now = time.time()
+    history = list(read_events(store.events_path))
+    complete = store.completion()
+    holder = None if complete else _holder(store)
+    if complete:
+        state = "finished"
+    elif holder:
+        state = "running"
+    else:
+        state = "not running" if (store.root / "lock").exists() else "never run"
+    goodput = compute_goodput(history, now=now if holder else None)
+    return {
+        "dir": str(store.root), "state": state,
+        **({"finished": complete} if complete else {}),
+        **({"holder": holder} if holder else {}),
+        "goodput": goodput.as_json() if goodput is not None else None,
+        "launches": _count(history, "start"), "restarts": _count(history, "restart"),
+        "hangs": _count(history, "hang"),
+        "checkpoints": _checkpoints(store, history, verify),
+        "events": history[-events:] if events > 0 else [],
+    }
 
 
 def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     """Return the status report for the checkpoint directory ``root``."""
-    store = CheckpointStore(root)
-    if not (store.root / MARKER).exists():
-        raise StoreError(f"{store.root} is not a procckpt checkpoint dir (no {MARKER} marker)")
+    store = _opened(root)
     now = time.time()
     lines = [f"checkpoint dir: {store.root}"]
     complete = store.completion()
-    lock = store.root / "lock"
     holder = _holder(store)
     if complete:
         step = f" (step {complete['step']})" if complete.get("step") is not None else ""
@@ -31,35 +58,21 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     elif holder:
         lines.append(f"state:          running (pid {holder.get('pid')} on {holder.get('host')})")
     else:
-        lines.append("state:          not running" + ("" if lock.exists() else " (never run)"))
+        lines.append("state:          not running" + ("" if (store.root / "lock").exists()
+                                                      else " (never run)"))
     history = list(read_events(store.events_path))
-    # How long each checkpoint took to become durable: a DMTCP image's manifest says it, the
-    # hooks engine's checkpoints are in the journal.
-    took = {e.get("checkpoint"): e.get("seconds") for e in history
-            if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))}
+    goodput = compute_goodput(history, now=now if holder and not complete else None)
+    if goodput is not None and goodput.wall > 0:
+        lines += _goodput_lines(goodput)
     rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
-    for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
-        try:
-            manifest = store._read_manifest(path, retry=False) or {}
-        except CheckpointReadError:
-            manifest = {}
-        if path.name.endswith(".corrupt"):
-            valid = "corrupt"
-        elif verify:
-            try:
-                problem = store.verify(path)
-            except CheckpointReadError as e:
-                problem = f"unreadable ({e.__cause__ or e})"
-            valid = "yes" if problem is None else f"NO: {problem}"
-        else:
-            valid = "?"
-        size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values())
-        age = format_duration(now - manifest["time"]) if "time" in manifest else "-"
-        write = manifest.get("write_seconds", took.get(path.name))
-        rows.append((path.name, str(manifest.get("step", "-")), str(manifest.get("epoch", "-")),
-                     format_size(size), "-" if write is None else f"{write:.1f}s", age,
-                     str(manifest.get("engine", "-")),
-                     str(manifest.get("reason", "-")), valid))
+    for c in _checkpoints(store, history, verify):
+        write = c["write_seconds"]
+        valid = "corrupt" if c["corrupt"] else "?" if c["valid"] is None else \
+            "yes" if c["valid"] else f"NO: {c['problem']}"
+        rows.append((c["name"], _dash(c["step"]), _dash(c["epoch"]), format_size(c["bytes"]),
+                     "-" if write is None else f"{write:.1f}s",
+                     "-" if c["time"] is None else format_duration(now - c["time"]),
+                     _dash(c["engine"]), _dash(c["reason"]), valid))
     if len(rows) == 1:
         lines.append("checkpoints:    none yet")
     else:
@@ -67,12 +80,10 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    restarts = sum(1 for e in history if e.get("event") == "restart")
-    starts = sum(1 for e in history if e.get("event") == "start")
-    hangs = sum(1 for e in history if e.get("event") == "hang")
+    hangs = _count(history, "hang")
     lines.append("")
-    lines.append(f"launches: {starts}   restarts: {restarts}   "
-                 f"checkpoints saved: {sum(1 for e in history if e.get('event') == 'checkpoint')}"
+    lines.append(f"launches: {_count(history, 'start')}   restarts: {_count(history, 'restart')}   "
+                 f"checkpoints saved: {_count(history, 'checkpoint')}"
                  + (f"   hangs: {hangs}" if hangs else ""))
     resume = next((e for e in reversed(history) if e.get("event") == "resume"), None)
     if resume is not None and isinstance(resume.get("seconds"), (int, float)):
@@ -90,7 +101,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         every = "none" if not isinstance(seconds, (int, float)) else \
             f"every {format_duration(seconds)}"
         lines.append(f"periodic checkpoints: {every} ({period.get('why', '?')})")
-    if history:
+    if history and events > 0:
         lines.append("last events:")
         for e in history[-events:]:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(e.get("time", 0)))
@@ -98,6 +109,70 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
                                 if k not in ("time", "event", "host", "pid", "argv"))
             lines.append(f"  {when}  {e.get('event', '?'):<11} {details}")
     return "\n".join(lines)
+
+
+#: How the parts of the time are named in the status and the report.
+LABELS = {"training": "training", "startup": "startup", "restore": "restore",
+          "replay": "replay", "checkpoint_stall": "checkpoint stalls", "lost": "lost work",
+          "idle": "idle", "queue": "queued"}
+
+
+def _goodput_lines(goodput: Goodput) -> list[str]:
+    seconds, wall = goodput.seconds(), goodput.wall
+    ettr = goodput.ettr or 0.0
+    parts = [f"{LABELS[k]} {format_duration(v)} ({100 * v / wall:.1f} %)"
+             for k, v in seconds.items() if k != "training" and v >= 0.05]
+    return [f"goodput:        {100 * ettr:.1f} % of {format_duration(wall)} trained the model "
+            f"({format_duration(seconds['training'])}; {len(goodput.cycles)} cycles)",
+            "                " + (" · ".join(parts) if parts else "nothing else")]
+
+
+def _opened(root: Path) -> CheckpointStore:
+    store = CheckpointStore(root)
+    if not (store.root / MARKER).exists():
+        raise StoreError(f"{store.root} is not a procckpt checkpoint dir (no {MARKER} marker)")
+    return store
+
+
+def _count(history: list[dict[str, Any]], kind: str) -> int:
+    return sum(1 for e in history if e.get("event") == kind)
+
+
+def _dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _checkpoints(store: CheckpointStore, history: list[dict[str, Any]], verify: bool,
+                 ) -> list[dict[str, Any]]:
+    """The checkpoints on disk, newest first, with what their manifests say and (``verify``)
+    whether their files still match their checksums."""
+    # How long each checkpoint took to become durable: a DMTCP image's manifest says it, the
+    # hooks engine's checkpoints are in the journal.
+    took = {e.get("checkpoint"): e.get("seconds") for e in history
+            if e.get("event") == "checkpoint" and isinstance(e.get("seconds"), (int, float))}
+    out = []
+    for path in sorted(store.ckpt_root.glob("ckpt-*"), key=lambda p: p.name, reverse=True):
+        try:
+            manifest = store._read_manifest(path, retry=False) or {}
+        except CheckpointReadError:
+            manifest = {}
+        corrupt = path.name.endswith(".corrupt")
+        problem: str | None = None
+        valid: bool | None = None
+        if not corrupt and verify:
+            try:
+                problem = store.verify(path)
+            except CheckpointReadError as e:
+                problem = f"unreadable ({e.__cause__ or e})"
+            valid = problem is None
+        out.append({
+            "name": path.name, "step": manifest.get("step"), "epoch": manifest.get("epoch"),
+            "bytes": sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values()),
+            "write_seconds": manifest.get("write_seconds", took.get(path.name)),
+            "time": manifest.get("time"), "engine": manifest.get("engine"),
+            "reason": manifest.get("reason"), "corrupt": corrupt, "valid": valid,
+            "problem": problem})
+    return out
 
 
 def _holder(store: CheckpointStore) -> dict | None:

@@ -13,6 +13,7 @@ the test cluster is ~7 s (cred_expire=5; Slurm's default hold is 120 s).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -27,7 +28,7 @@ import pytest
 
 from procckpt.protocol.events import read_events
 
-from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, run
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 from ..slurm_cluster import (
     FINISHED_STATES,
     MARKER_VAR,
@@ -311,6 +312,18 @@ def test_sbatch_requeues_through_three_cycles_and_resumes_exactly(slurm_jobs: Su
     # The last cycle may get its USR1 while the finished training writes its output.
     assert restarts <= len(stops) <= restarts + 1, stops
     assert set(stops) <= {"SIGUSR1", "deadline"}, stops
+
+    # Where the job's time went: each requeue waited in Slurm's queue (from procckpt's
+    # requeue to Slurm's next StartTime), and the parts add up to the wall time.
+    status = run([*procckpt_argv(), "status", "--json", str(job.workdir / "ckpt")],
+                 cwd=job.workdir)
+    assert status.returncode == 0, status.stderr
+    goodput = json.loads(status.stdout)["goodput"]
+    assert len(goodput["cycles"]) == restarts + 1
+    assert {c["launch"] for c in goodput["cycles"]} == set(range(1, restarts + 2))
+    assert goodput["seconds"]["queue"] > 0, goodput
+    assert abs(sum(goodput["seconds"].values()) - goodput["wall_seconds"]) \
+        <= 0.03 * goodput["wall_seconds"], goodput
 
 
 def test_job_script_without_signal_checkpoints_at_the_end_time_from_slurm(

@@ -38,7 +38,10 @@ def main() -> None:
                         help="Python work after Checkpointer() before the loop (data prep)")
     parser.add_argument("--validate-seconds", type=float, default=0.0,
                         help="a validation pass of this long at the end of each epoch")
+    parser.add_argument("--start-seconds", type=float, default=0.0,
+                        help="a slow start before Checkpointer() (imports, reading a config)")
     args = parser.parse_args()
+    time.sleep(args.start_seconds)
 
     torch.manual_seed(0)
     x = torch.randn(args.n, 16)

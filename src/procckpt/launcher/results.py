@@ -49,3 +49,18 @@ class CycleOutcome:
     retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
     stop_started: float | None = None  # when the stop's checkpoint was asked for
     hung: bool = False  # no step completed for the hang timeout: we stopped it
+
+    @property
+    def ending(self) -> str:
+        """How the cycle ended, for the journal: finished, stopped (its checkpoint kept),
+        exited (0, by itself), hung, unconfirmed (a stop whose checkpoint never came) or
+        failed. The work up to the end is kept in the first three cases."""
+        if self.finished:
+            return "finished"
+        if self.confirmed is not None and self.confirmed.checkpoint is not None:
+            return "stopped"
+        if self.hung:
+            return "hung"
+        if self.stop_cause is not None:
+            return "unconfirmed"
+        return "exited" if self.exit_code == 0 else "failed"

@@ -44,6 +44,10 @@ NO_PROGRESS_CYCLES = 3
 SAME_FAILURE_LIMIT = 3
 BACKOFF_FIRST = 2.0
 BACKOFF_MAX = 60.0
+#: Where torch.compile (Inductor, and Triton under it) keeps compiled kernels: in the
+#: checkpoint dir, unless the environment says otherwise.
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+INDUCTOR_CACHE_DIR = "compile-cache"
 
 
 class Supervisor:
@@ -317,6 +321,9 @@ class Supervisor:
         env = dict(os.environ)
         env.update(self.extra_env)
         env.update(engine_env)
+        # A torch.compile'd model would compile again after every restart (on a new node, a
+        # fresh /tmp): its kernels are kept beside the checkpoints unless the user chose a place.
+        env.setdefault(INDUCTOR_CACHE_ENV, str(self.store.root / INDUCTOR_CACHE_DIR))
         env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(self._restart_number(restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         child = self._child_factory(argv, env)
@@ -333,8 +340,13 @@ class Supervisor:
                     child.pid, self.deadline.source,
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"
                     if end is not None else "")
+        # The lead and period in force, and (for the first cycle) when the scheduler started
+        # the job: procckpt status and report read them (goodput.py).
+        job_started = getattr(self.deadline, "job_started", None) if self.cycles == 1 else None
         append_event(self.store.events_path, "cycle", cycle=self.cycles, pid=child.pid,
-                     restart=restarts, engine=self.engine.name)
+                     restart=restarts, engine=self.engine.name,
+                     lead=round(self.plan.lead.seconds, 3), interval=self.plan.period.seconds,
+                     **({} if job_started is None else {"job_started": job_started}))
         watch = CycleWatch(child, started, self.cycles, self.engine, self.deadline, self.plan,
                            self.hangs, self.store, self._actions, self._clock,
                            self._wait,  # type: ignore[arg-type]
@@ -358,6 +370,8 @@ class Supervisor:
             outcome.retry = after_exit(outcome.exit_code, requested or signalled, signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
+        append_event(self.store.events_path, "cycle-end", cycle=self.cycles,
+                     code=outcome.exit_code, ended=outcome.ending)
         return outcome
 
 def _ending(code: int) -> str:

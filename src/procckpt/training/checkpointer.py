@@ -6,10 +6,9 @@
             ...
 
 The Checkpointer is the front of the training side; its parts do the work: ``progress``
-(position and random streams, for exact resumes), ``triggers`` (what asks for a checkpoint),
-``saving`` (writing, in the background or not), ``resume`` and ``payload`` (what ``state.pt``
-holds). It saves only at safe points: after each batch that ``batches`` yielded, and at the
-end of each epoch.
+(position and random streams), ``triggers`` (what asks for a checkpoint), ``saving``, ``resume``
+and ``payload`` (what ``state.pt`` holds), ``liveness`` and ``timing`` (for the launcher). It
+saves only at safe points: after each batch that ``batches`` yielded, and at each epoch's end.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from .member import CheckpointerAsMember
 from .progress import Progress
 from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
 from .saving import Saves, background_savers
+from .timing import CycleTimer
 from .triggers import SaveTriggers
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
@@ -128,9 +128,10 @@ class Checkpointer:
                 control, polls_control=dist_.polls_control(self.rank), answers=self.is_writer,
                 interval=interval, save_best=save_best, metric_mode=metric_mode,
                 save_every=save_every if save_every is not None else (None if token else 1))
-            #: Rank 0's heartbeat for the launcher's hang detection (launched runs only).
+            #: Rank 0's heartbeat for hang detection, and its start-up times (launched runs).
             self._liveness = Liveness(control, threading.current_thread()) \
                 if control is not None and self.is_writer else NoLiveness()
+            self._timer = CycleTimer(self._journal if control is not None else None)
             self._check = check_hook()
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
@@ -155,6 +156,7 @@ class Checkpointer:
                 with self._liveness.working():
                     self.resumed_from = self._resume()
                 self._liveness.step = self.step
+                self._timer.ready(self.restore_seconds)
             except BaseException:
                 self.close()  # a refused checkpoint must not leave the dir locked by a dead object
                 raise
@@ -338,8 +340,7 @@ class Checkpointer:
             self._background.wait()
 
     def close(self) -> None:
-        """Wait for a checkpoint in flight, then release the checkpoint dir (done
-        automatically when the process exits)."""
+        """Wait for a checkpoint in flight, then release the checkpoint dir (done at exit)."""
         self._liveness.close()
         try:
             if self._background is not None:
@@ -383,6 +384,7 @@ class Checkpointer:
         self._saves.reserve_ahead(self._payload, self._member)  # once, after the first step
         triggers.poll(now)
         self._liveness.at_safe_point(self.step, now)  # the gap since the last one, measured
+        self._timer.at_safe_point(now)
         try:
             self._act_at_safe_point(now, epoch_end)
         finally:

@@ -42,6 +42,9 @@ class SlurmDeadline:
         #: Seconds before the end at which the job script's ``--signal`` fires, if it has one.
         self.signal_lead: float | None = None
         self._warned = False
+        #: When Slurm started this run of the job (its StartTime: a requeued job's last start),
+        #: for the goodput's queue time.
+        self.job_started: float | None = None
         self.source = job.env.label + (f" and --time-limit {local_limit:g}s"
                                        if local_limit is not None else "")
 
@@ -84,6 +87,7 @@ class SlurmDeadline:
                             format_duration(abs(record.end_time - self.end_wall)),
                             time.strftime("%H:%M:%S", time.localtime(record.end_time)))
             self.end_wall = record.end_time
+            self.job_started = record.start_time or self.job_started
             self.slurm_limit = record.time_limit or self.slurm_limit
         if self.slurm_limit is None and self.end_wall is not None:
             # No TimeLimit to size the default grace by (inside a container only the end

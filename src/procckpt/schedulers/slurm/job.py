@@ -79,6 +79,10 @@ class JobRecord:
         return self.fields.get("JobState", "").split(" ")[0]
 
     @property
+    def start_time(self) -> float | None:
+        return parse_slurm_time(self.fields.get("StartTime", ""))
+
+    @property
     def end_time(self) -> float | None:
         return parse_slurm_time(self.fields.get("EndTime", ""))
 

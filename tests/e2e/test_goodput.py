@@ -1,0 +1,122 @@
+"""Goodput: where a run's time went (``procckpt status --json``), and its timeline page
+(``procckpt report``) as a real browser renders it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from procckpt.report import COLOURS, PLOT_BACKGROUND
+
+from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+
+TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
+STEPS = 25 * 8  # 25 epochs of 8 batches
+STEP_SLEEP = 0.05
+FAIL_AT = 40
+
+
+@pytest.fixture(scope="module")
+def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A run with slow starts (3 s before the Checkpointer), 14 s cycles, and a crash of its
+    first cycle (exit 3 at step 40, two seconds into training, before any checkpoint)."""
+    workdir = tmp_path_factory.mktemp("goodput")
+    ckpt = workdir / "ckpt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "14s", "--grace",
+               "3s", "--restart-on-failure", "--max-restarts", "20", "--", *TINY,
+               "--epochs", "25", "--step-sleep", str(STEP_SLEEP), "--start-seconds", "3",
+               "--fail-at-step", str(FAIL_AT)], cwd=workdir, timeout=400)
+    assert res.returncode == 0, res.stderr[-4000:]
+    status = run([*procckpt_argv(), "status", "--json", str(ckpt)], cwd=workdir)
+    assert status.returncode == 0, status.stderr
+    return ckpt, json.loads(status.stdout)
+
+
+def test_the_parts_add_up_and_each_sees_what_happened(crashed_run: tuple[Path, dict]):
+    ckpt, status = crashed_run
+    goodput = status["goodput"]
+    seconds, wall = goodput["seconds"], goodput["wall_seconds"]
+    assert set(seconds) == {"training", "startup", "restore", "checkpoint_stall", "replay",
+                            "lost", "idle", "queue"}
+    assert abs(sum(seconds.values()) - wall) <= 0.03 * wall, goodput
+    assert goodput["ettr"] == pytest.approx(seconds["training"] / wall, abs=1e-3)
+    cycles = goodput["cycles"]
+    assert len(cycles) >= 3, cycles  # the crash, then time-limit cycles
+    assert [c["ended"] for c in cycles[:1]] == ["failed"] and cycles[0]["exit_code"] == 3
+    assert cycles[-1]["ended"] == "finished", cycles[-1]
+    assert all(c["ended"] == "stopped" for c in cycles[1:-1]), cycles
+    # The slow starts: 3 s of each cycle before the Checkpointer was ready, besides imports.
+    assert all(c["seconds"]["startup"] >= 3.0 for c in cycles), cycles
+    # The crashed cycle's 39 steps were trained again: lost, none of it counted as training.
+    assert cycles[0]["seconds"]["lost"] >= (FAIL_AT - 1) * STEP_SLEEP, cycles[0]
+    assert cycles[0]["seconds"]["training"] == 0, cycles[0]
+    # The crash left no checkpoint: the cycle after it started anew; every later one
+    # resumed from a checkpoint.
+    assert cycles[1]["seconds"]["restore"] == 0, cycles[1]
+    assert all(c["seconds"]["restore"] > 0 for c in cycles[2:]), cycles
+    assert all(c["checkpoints"] >= 1 for c in cycles[1:]), cycles
+    # Training time: at least the steps' sleeps of one uninterrupted pass.
+    assert seconds["training"] >= STEPS * STEP_SLEEP, goodput
+    assert seconds["queue"] == 0  # not a Slurm job
+
+    text = run([*procckpt_argv(), "status", str(ckpt)], cwd=ckpt.parent)
+    assert f"goodput:        {100 * goodput['ettr']:.1f} % of" in text.stdout, text.stdout
+
+    # The journal stays small: what a cycle adds to it.
+    per_cycle = (ckpt / "events.jsonl").stat().st_size / len(cycles)
+    print(f"journal: {per_cycle:.0f} bytes a cycle")
+    assert per_cycle < 4000, per_cycle
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        if path := shutil.which(name):
+            return path
+    pytest.skip("no Chromium to render the report with (apt-get install chromium)")
+
+
+def test_the_report_renders_one_bar_per_cycle_and_a_legend(crashed_run: tuple[Path, dict]):
+    Image = pytest.importorskip("PIL.Image", reason="pillow reads the rendered page")
+    ckpt, status = crashed_run
+    page = ckpt.parent / "report.html"
+    res = run([*procckpt_argv(), "report", str(ckpt), "-o", str(page)], cwd=ckpt.parent)
+    assert res.returncode == 0, res.stderr
+    text = page.read_text()
+    assert "http://" not in text.replace("http://www.w3.org/2000/svg", "")
+    assert "https://" not in text and "<script" not in text  # nothing from the network
+
+    png = ckpt.parent / "report.png"
+    shot = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                           "--hide-scrollbars", "--window-size=1200,900",
+                           f"--screenshot={png}", page.as_uri()],
+                          capture_output=True, text=True, timeout=120)
+    assert png.exists(), shot.stderr[-2000:]
+    image = Image.open(png).convert("RGB")
+    width, height = image.size
+    pixels = image.load()
+    rgb = {kind: tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for kind, c in COLOURS.items()}
+    backdrop = tuple(int(PLOT_BACKGROUND[i:i + 2], 16) for i in (1, 3, 5))
+
+    # The chart is the grey plot area; in it, each cycle is a band of rows with bar colours.
+    plot = [(x, y) for y in range(0, height, 2) for x in range(0, width, 4)
+            if pixels[x, y] == backdrop]
+    assert plot, "no plot area on the rendered page"
+    left, right = min(x for x, _ in plot), max(x for x, _ in plot)
+    top, bottom = min(y for _, y in plot), max(y for _, y in plot)
+    colours = set(rgb.values())
+    rows = [y for y in range(top, bottom + 1)
+            if sum(pixels[x, y] in colours for x in range(left, right + 1)) >= 4]
+    bands = sum(1 for i, y in enumerate(rows) if i == 0 or y != rows[i - 1] + 1)
+    assert bands == len(status["goodput"]["cycles"]), (bands, rows)
+    seen_in_bars = {kind for kind, c in rgb.items()
+                    if any(pixels[x, y] == c for y in rows for x in range(left, right + 1, 2))}
+    assert {"training", "startup", "lost"} <= seen_in_bars, seen_in_bars
+
+    # The legend: a swatch of every colour, outside the chart.
+    for kind, c in rgb.items():
+        assert any(pixels[x, y] == c for y in range(0, top) for x in range(0, width)), \
+            f"no legend swatch for {kind}"
