@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .slurm_nodes import NetNodes, netns_unavailable
+
 __all__ = [
     "SlurmCluster",
     "FAST_TEST_TIMING",
@@ -248,6 +250,8 @@ class SlurmCluster:
             (every 60 s by default), since no event wakes the scheduler for it. (Measured:
             ``bf_interval`` does not shorten that wait, ``sched_interval`` does.)
         start_timeout: seconds to wait for the node to become idle.
+        nodes: more than 1: nodes n1..nN, each in a network namespace of its own (its own
+            address, hostname and hosts file; tests/slurm_nodes.py), slurmctld on the host.
     """
 
     cpus: int = 8
@@ -258,6 +262,7 @@ class SlurmCluster:
     start_timeout: float = 60.0
     cluster_name: str = "procckpt"
     partition: str = "debug"
+    nodes: int = 1
 
     root: Path | None = field(default=None, init=False)
     conf_path: Path | None = field(default=None, init=False)
@@ -270,6 +275,7 @@ class SlurmCluster:
     _munge_dir: Path | None = field(default=None, init=False, repr=False)
     _procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict, init=False, repr=False)
     _marker: str = field(default="", init=False, repr=False)
+    _net: NetNodes | None = field(default=None, init=False, repr=False)
 
     # -- availability --------------------------------------------------------------------------
 
@@ -304,6 +310,8 @@ class SlurmCluster:
             raise SlurmClusterError(reason)
         if self._procs:
             raise SlurmClusterError("cluster already started; call stop() first")
+        if self.nodes > 1 and (why := netns_unavailable()):
+            raise SlurmClusterError(why)
         reap_stale_clusters()
 
         self.root = Path(tempfile.mkdtemp(prefix="slurm-", dir=tmpdir)).resolve()
@@ -320,28 +328,49 @@ class SlurmCluster:
             self.ctld_port, self.slurmd_port = free_port(), free_port()
             while self.slurmd_port == self.ctld_port:
                 self.slurmd_port = free_port()
+            if self.nodes > 1:
+                self._net = NetNodes(self.nodes, self.node_name, self.root)
+                self._net.create()
             self.conf_path = self._write_config()
             self.env = self._client_env()
             self._spawn(
                 "slurmctld",
                 [_which("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf_path)],
             )
-            self._spawn(
-                "slurmd",
-                [
-                    _which("slurmd") or "slurmd",
-                    "-D",
-                    "-N",
-                    self.node_name,
-                    "-f",
-                    str(self.conf_path),
-                ],
-            )
+            for name in self.node_names:
+                self.start_node(name)
             self._wait_node_idle()
         except BaseException:
             self.stop()
             raise
         return self
+
+    @property
+    def node_names(self) -> list[str]:
+        return self._net.names if self._net is not None else [self.node_name]
+
+    def start_node(self, name: str) -> None:
+        """Start node ``name``'s slurmd (again, after :meth:`kill_node`)."""
+        assert self.conf_path is not None
+        argv = [_which("slurmd") or "slurmd", "-D", "-N", name, "-f", str(self.conf_path)]
+        (self.root / "spool" / name).mkdir(parents=True, exist_ok=True)  # type: ignore[operator]
+        if self._net is None:
+            self._spawn("slurmd", argv)
+        else:
+            self._spawn(f"slurmd-{name}", self._net.command(name, argv))
+
+    def kill_node(self, name: str) -> None:
+        """Node ``name`` dies: its slurmd and every job process on it, SIGKILLed at once."""
+        if self._net is None:
+            raise SlurmClusterError("only a cluster of several nodes (nodes=2) can lose one")
+        self._net.kill(name)
+        proc = self._procs.pop(f"slurmd-{name}", None)
+        if proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+
+    def node_address(self, name: str) -> str:
+        return self._net.address(name) if self._net is not None else "127.0.0.1"
 
     def __enter__(self) -> "SlurmCluster":
         return self
@@ -394,7 +423,8 @@ class SlurmCluster:
             f"ClusterName={self.cluster_name}",
             # slurmctld only runs where SlurmctldHost names the local hostname; the address in
             # parentheses keeps all traffic on loopback.
-            f"SlurmctldHost={self.node_name}(127.0.0.1)",
+            f"SlurmctldHost={self.node_name}"
+            f"({self._net.host_address if self._net is not None else '127.0.0.1'})",
             f"SlurmctldPort={self.ctld_port}",
             f"SlurmdPort={self.slurmd_port}",
             "SlurmUser=root",
@@ -421,21 +451,21 @@ class SlurmCluster:
             "InactiveLimit=0",
             "MailProg=/bin/true",
             f"StateSaveLocation={r / 'state'}",
-            f"SlurmdSpoolDir={r / 'spool'}",
+            # %n: each node's own (several slurmd on one machine).
+            f"SlurmdSpoolDir={r / 'spool' / '%n'}",
             f"SlurmctldPidFile={r / 'run' / 'slurmctld.pid'}",
-            f"SlurmdPidFile={r / 'run' / 'slurmd.pid'}",
+            f"SlurmdPidFile={r / 'run' / 'slurmd-%n.pid'}",
             f"SlurmctldLogFile={r / 'log' / 'slurmctld.log'}",
-            f"SlurmdLogFile={r / 'log' / 'slurmd.log'}",
+            f"SlurmdLogFile={r / 'log' / 'slurmd-%n.log'}",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
         ]
         if self.scheduler_parameters:
             lines.append(f"SchedulerParameters={self.scheduler_parameters}")
-        lines += [
-            f"NodeName={self.node_name} NodeAddr=127.0.0.1 CPUs={self.cpus} State=UNKNOWN",
-            f"PartitionName={self.partition} Nodes={self.node_name} Default=YES "
-            "MaxTime=UNLIMITED State=UP",
-        ]
+        lines += [f"NodeName={name} NodeAddr={self.node_address(name)} CPUs={self.cpus} "
+                  "State=UNKNOWN" for name in self.node_names]
+        lines.append(f"PartitionName={self.partition} Nodes={','.join(self.node_names)} "
+                     "Default=YES MaxTime=UNLIMITED State=UP")
         conf = r / "slurm.conf"
         conf.write_text("\n".join(lines) + "\n")
         # slurmd looks for cgroup.conf beside slurm.conf; an explicit one avoids surprises from
@@ -486,22 +516,30 @@ class SlurmCluster:
             if rc is not None:
                 raise SlurmClusterError(self._failure(f"{name} exited with status {rc}"))
 
-    def _wait_node_idle(self) -> None:
+    def _wait_node_idle(self, names: Sequence[str] | None = None) -> None:
+        names = list(names or self.node_names)
         deadline = time.monotonic() + self.start_timeout
         state = ""
         while time.monotonic() < deadline:
             self._check_alive()
-            res = self.run(["sinfo", "-h", "-n", self.node_name, "-o", "%T"], check=False)
-            state = res.stdout.strip()
-            if res.returncode == 0 and state.rstrip("*~#!%$@^-") == "idle":
+            res = self.run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%T"],
+                           check=False)
+            state = " ".join(res.stdout.split())
+            states = [s.rstrip("*~#!%$@^-") for s in res.stdout.split()]
+            if res.returncode == 0 and len(states) == len(names) and \
+                    set(states) <= {"idle", "mixed", "allocated"}:
                 return
             time.sleep(0.5)
         raise SlurmClusterError(
             self._failure(
-                f"node {self.node_name} not idle after {self.start_timeout:.0f} s "
-                f"(sinfo state: {state or 'none'})"
+                f"nodes {','.join(names)} not up after {self.start_timeout:.0f} s "
+                f"(sinfo states: {state or 'none'})"
             )
         )
+
+    def wait_nodes_up(self, names: Sequence[str] | None = None) -> None:
+        """Wait until Slurm takes ``names`` (default: every node) as up again."""
+        self._wait_node_idle(names)
 
     def _failure(self, what: str) -> str:
         return f"Slurm test cluster: {what}\n{self.log_tails()}"
@@ -540,11 +578,14 @@ class SlurmCluster:
                     time.sleep(0.3)
         # slurmd before slurmctld: a slurmctld that sees its node vanish may try to requeue;
         # munged last, the other two use it until they are gone.
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [*(n for n in self._procs if n.startswith("slurmd")), "slurmctld", "munged"]:
             proc = self._procs.get(name)
             if proc is not None:
                 self._terminate(proc)
         self._procs.clear()
+        if self._net is not None:
+            self._net.destroy()
+            self._net = None
         # Anything still carrying our marker: slurmstepd (slurmd starts it detached, so it
         # outlives slurmd), job processes and their children.
         marker = self._marker

@@ -51,6 +51,26 @@ def test_rank_zero_host_comes_from_the_slurm_host_list(hostlist: str, first: str
     assert pd.first_host(hostlist) == first
 
 
+def test_a_first_node_whose_name_does_not_resolve_is_reached_by_slurms_address(
+        tmp_path: Path, monkeypatch):
+    from procckpt.training.distributed import setup
+
+    # A real scontrol's answer for a node that is in no DNS and no hosts file.
+    fake = tmp_path / "scontrol"
+    fake.write_text("#!/bin/sh\n[ \"$4\" = nosuchnode-7 ] && echo 'NodeName=nosuchnode-7 "
+                    "Arch=x86_64 CoresPerSocket=1 NodeAddr=10.9.8.7 NodeHostName=nosuchnode-7'"
+                    "\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "nosuchnode-[7-8]")
+    assert setup._slurm_first_node() == "10.9.8.7"
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "localhost,nosuchnode-7")
+    assert setup._slurm_first_node() == "localhost"  # a name that resolves: no scontrol call
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "nosuchnode-9")
+    with pytest.raises(UsageError, match="set MASTER_ADDR"):
+        setup._slurm_first_node()
+
+
 def test_a_bad_poll_spec_says_what_to_write():
     with pytest.raises(UsageError, match="use all, local0 or a list of ranks"):
         pd.polls_control(0, 0, "rank1")

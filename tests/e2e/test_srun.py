@@ -26,21 +26,32 @@ DDP = EXAMPLES / "ddp_train.py"
 ARGS = [*SHAPE, "--sleep", "2.0"]
 
 
-def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmCluster,
-                                                        tmp_path: Path):
-    job = Job("srun", tmp_path / "job")
+def run_ddp_job(cluster: SlurmCluster, tmp_path: Path, name: str, sbatch_args: list[str],
+                args: list[str], env: dict[str, str] | None = None,
+                ) -> tuple[Job, dict[str, str], Path, Path]:
+    """Submit ``procckpt sbatch ... -- srun python ddp_train.py``, make the uninterrupted
+    2-rank reference while it runs, and wait for its end: (job, its last record, the
+    reference's output prefix, the job's)."""
+    job = Job(name, tmp_path / "job")
     job.workdir.mkdir()
     out = job.workdir / "out"
-    procckpt_sbatch(slurm_cluster, job, ["-t", "1", "--ntasks", "2"],
-                    ["srun", PYTHON, str(DDP), *ARGS, "--out", str(out)],
-                    env={"PROCCKPT_POLL_RANKS": "1"})
-    watcher = JobWatcher(slurm_cluster).start()
+    procckpt_sbatch(cluster, job, sbatch_args, ["srun", PYTHON, str(DDP), *args, "--out",
+                                                str(out)], env=env)
+    watcher = JobWatcher(cluster).start()
     try:
         reference = uninterrupted(tmp_path, DDP, SHAPE, "reference")  # while the job runs
         record = watcher.wait_done(job.job_id, timeout=900)
     finally:
         watcher.stop()
-        slurm_cluster.run(["scancel", str(job.job_id)], check=False)
+        cluster.run(["scancel", str(job.job_id)], check=False)
+    return job, record, reference, out
+
+
+def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmCluster,
+                                                        tmp_path: Path):
+    job, record, reference, out = run_ddp_job(slurm_cluster, tmp_path, "srun",
+                                              ["-t", "1", "--ntasks", "2"], ARGS,
+                                              env={"PROCCKPT_POLL_RANKS": "1"})
     assert record["JobState"] == "COMPLETED", (record, job.log[-4000:])
     restarts = int(record["Restarts"])
     assert restarts >= 2, f"only {restarts + 1} cycles: the test needs >= 3"

@@ -12,8 +12,8 @@ from datetime import datetime
 
 from .env import SlurmEnv
 
-__all__ = ["JobRecord", "SlurmJob", "parse_scontrol_record", "parse_slurm_time", "parse_time_limit",
-           "QUERY_TIMEOUT"]
+__all__ = ["JobRecord", "SlurmJob", "node_address", "parse_scontrol_record", "parse_slurm_time",
+           "parse_time_limit", "QUERY_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,26 @@ class JobRecord:
     def preempted(self) -> bool:
         value = self.fields.get("PreemptTime", "None").strip()
         return value not in ("", "None", "Unknown", "N/A") or self.state == "PREEMPTED"
+
+
+def node_address(name: str, *, run: Runner = subprocess.run) -> str | None:
+    """Node ``name``'s address as Slurm knows it (``NodeAddr`` of ``scontrol show node``), or
+    None if scontrol cannot say."""
+    if shutil.which("scontrol") is None and run is subprocess.run:
+        return None
+    try:
+        res = run(["scontrol", "-o", "show", "node", name], capture_output=True, text=True,
+                  timeout=QUERY_TIMEOUT, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError) as e:
+        logger.debug("scontrol show node %s failed: %s", name, e)
+        return None
+    if res.returncode != 0:
+        return None
+    for line in res.stdout.splitlines():
+        fields = parse_scontrol_record(line)
+        if fields.get("NodeName") == name and fields.get("NodeAddr"):
+            return fields["NodeAddr"]
+    return None
 
 
 class SlurmJob:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Mapping
 
 import torch
@@ -73,9 +74,25 @@ def _local_world_size(env: Mapping[str, str]) -> int:
 
 def _slurm_first_node() -> str:
     """The first host of the step (or job): where rank 0 runs under srun's default block
-    distribution. Read from the host list itself, so that ranks never call scontrol."""
+    distribution. Its name from the host list when the name resolves here (no rank calls
+    scontrol then); otherwise its address as Slurm knows it (``NodeAddr``), since node names
+    need not be in DNS."""
     nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST") or ""
-    return first_host(nodes) or "127.0.0.1"
+    name = first_host(nodes)
+    if not name:
+        return "127.0.0.1"
+    try:
+        socket.getaddrinfo(name, None)
+        return name
+    except OSError:
+        pass
+    from ...schedulers.slurm.job import node_address
+
+    address = node_address(name)
+    if address is None:
+        raise UsageError(f"the first node of this job, {name}, has no address here (its name "
+                         "does not resolve and scontrol does not know it): set MASTER_ADDR")
+    return address
 
 
 def first_host(hostlist: str) -> str:
