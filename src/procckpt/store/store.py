@@ -394,6 +394,8 @@ class CheckpointStore:
             os.rename(self.complete_path, dest / COMPLETE)
         self.ckpt_root.mkdir()
         fsync_dir(self.root)
+        from ..protocol.events import append_event  # local: the store is below the protocol
+
         append_event(self.events_path, "archive", to=dest.name)  # a new run starts here
         return dest
 
