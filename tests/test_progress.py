@@ -65,3 +65,29 @@ def test_a_draw_between_the_resume_and_the_loop_is_warned_about(tmp_path: Path, 
         pass
     assert "drew random numbers after procckpt.Checkpointer() resumed" in caplog.text
     assert any(e["event"] == "warning" for e in read_events(tmp_path / "events.jsonl"))
+
+
+def run_epochs(d: Path, epochs: int, stop_at_end: bool = False) -> torch.Tensor:
+    """Epochs of two steps each; with ``stop_at_end``, a stop is asked for in the last one, so
+    that its checkpoint is taken at the last epoch's end, before the loop's final save. Returns
+    what the script draws after the loop."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(d, model=model, async_save=False)
+    try:
+        for epoch in ckpt.epochs(epochs):
+            for _ in ckpt.steps(2):
+                torch.rand(1)
+            if stop_at_end and epoch == epochs - 1:
+                ckpt.request_checkpoint(stop=True)
+    except SystemExit:
+        return torch.empty(0)
+    return torch.rand(4)
+
+
+def test_a_resume_at_the_end_of_the_last_epoch_continues_the_saved_streams(tmp_path: Path):
+    expected = run_epochs(tmp_path / "uninterrupted", 3)
+    assert run_epochs(tmp_path / "stopped", 3, stop_at_end=True).numel() == 0
+    # Nothing is left to train: the loop ends at once, and what follows it draws as after an
+    # uninterrupted run, not from the fresh seed.
+    assert torch.equal(run_epochs(tmp_path / "stopped", 3), expected)

@@ -199,10 +199,10 @@ class Checkpointer:
             if self.resumed_from is not None:
                 logger.info("training already finished (epoch %d of %d); nothing to do",
                             progress.epoch, num_epochs)
+            progress.nothing_left()
             self._finish()
             return
-        first = True
-        progress.in_epochs = True
+        first = progress.in_epochs = True
         while progress.epoch < num_epochs:
             progress.start_epoch(first)
             first = False

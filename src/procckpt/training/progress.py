@@ -289,6 +289,12 @@ class Progress:
             "before break", loop, self.epoch, self.step)
 
     # -- internals -------------------------------------------------------------------------
+    def nothing_left(self) -> None:
+        """Resumed at the end of the last epoch: no epoch starts, but the script goes on after
+        the loop (an evaluation, a sample) from the saved streams, as it would have."""
+        if self._resume_rng is not None and not self._pending_skip:
+            self._restore_at_boundary()
+
     def _restore_at_boundary(self) -> None:
         """Resume at the start of an epoch: every random stream continues from the checkpoint;
         the loader's generators are restored once :meth:`open_loader` sees the loader."""
