@@ -187,7 +187,10 @@ def journal(world: World) -> list[str]:
     return [e["event"] for e in read_events(world.store.events_path)]
 
 
-def test_deadline_checkpoint_stop_restart_finish(tmp_path: Path):
+def test_deadline_checkpoint_stop_restart_finish(tmp_path: Path, monkeypatch):
+    # torch's inductor writes its default cache dir into os.environ once asked for it: another
+    # test in this worker may have done so. A launcher's environment has none by default.
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     world, result, took = supervise(tmp_path, [Cycle(step=10), Cycle(step=20),
                                                Cycle(exits_at=30, completes=True)])
     assert result.reason is ExitReason.FINISHED and result.exit_code == 0
