@@ -252,6 +252,9 @@ class SlurmCluster:
         start_timeout: seconds to wait for the node to become idle.
         nodes: more than 1: nodes n1..nN, each in a network namespace of its own (its own
             address, hostname and hosts file; tests/slurm_nodes.py), slurmctld on the host.
+        slurmd_timeout: ``SlurmdTimeout``: a node that has not answered slurmctld's pings for
+            this long is DOWN (Slurm's default, used when None, is 300 s; pings go every third
+            of it).
     """
 
     cpus: int = 8
@@ -263,6 +266,7 @@ class SlurmCluster:
     cluster_name: str = "procckpt"
     partition: str = "debug"
     nodes: int = 1
+    slurmd_timeout: int | None = None
 
     root: Path | None = field(default=None, init=False)
     conf_path: Path | None = field(default=None, init=False)
@@ -462,6 +466,8 @@ class SlurmCluster:
         ]
         if self.scheduler_parameters:
             lines.append(f"SchedulerParameters={self.scheduler_parameters}")
+        if self.slurmd_timeout is not None:
+            lines.append(f"SlurmdTimeout={self.slurmd_timeout}")
         lines += [f"NodeName={name} NodeAddr={self.node_address(name)} CPUs={self.cpus} "
                   "State=UNKNOWN" for name in self.node_names]
         lines.append(f"PartitionName={self.partition} Nodes={','.join(self.node_names)} "

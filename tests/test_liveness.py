@@ -4,6 +4,9 @@ launcher reads it."""
 
 from __future__ import annotations
 
+import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -116,3 +119,28 @@ def test_the_heartbeat_says_the_step_and_the_longest_gap_and_stops_when_closed(
     liveness.step = 42
     time.sleep(1.5)
     assert heartbeat.stat().st_mtime_ns == before  # no sampler left after close
+
+
+def test_a_rank_ended_by_an_exception_tells_the_launcher(tmp_path: Path):
+    # The launcher of a group looks at the job's nodes when a rank failed and the command
+    # still runs (launcher/watch.py): the rank says so before Python prints its traceback.
+    script = ("import sys; from pathlib import Path\n"
+              "from procckpt.training.failures import open_control\n"
+              "open_control(Path(sys.argv[1]), 'tok', 3)\n"
+              "raise RuntimeError('Connection closed by peer [10.0.0.2]:9911\\nGLHF')\n")
+    res = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 1 and "Traceback" in res.stderr and "GLHF" in res.stderr
+    [failure] = ControlChannel(tmp_path, "tok").failures()
+    assert failure["rank"] == 3 and failure["host"] == socket.gethostname()
+    assert failure["error"] == "RuntimeError: Connection closed by peer [10.0.0.2]:9911"
+    assert ControlChannel(tmp_path, "another cycle").failures() == []
+    # Ctrl-C is no failure of the rank; a run outside procckpt run reports nothing.
+    ControlChannel(tmp_path, "tok").clear()
+    for token, error in (("tok", "KeyboardInterrupt"), ("", "RuntimeError")):
+        code = script.replace("'tok'", repr(token)).replace(
+            "RuntimeError('Connection closed by peer [10.0.0.2]:9911\\nGLHF')", error)
+        res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode != 0 and error in res.stderr
+        assert ControlChannel(tmp_path, "tok").failures() == [] and not list(tmp_path.iterdir())

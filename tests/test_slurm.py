@@ -5,6 +5,7 @@ The same code runs against the real cluster in tests/e2e/test_slurm.py."""
 from __future__ import annotations
 
 import logging
+import socket
 import subprocess
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.restart import Decision, StopCause
+from procckpt.schedulers.slurm.nodes import lost_nodes
 from procckpt.schedulers.slurm import (
     JobRecord,
     SlurmDeadline,
@@ -64,6 +66,9 @@ class FakeSlurm:
         self.job_file_append = job_file_append
         self.tools = tools
         self.calls: list[list[str]] = []
+        #: Nodes by name: (NodeAddr, State), for ``scontrol show node`` and ``show hostnames``.
+        self.nodes: dict[str, tuple[str, str]] = {}
+        self.slurmd_port = 6818
 
     def which(self, name: str) -> str | None:
         return f"/usr/bin/{name}" if name in self.tools else None
@@ -71,7 +76,14 @@ class FakeSlurm:
     def run(self, argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
         self.calls.append(argv)
         out, err, rc = "", "", 0
-        if argv[:3] == ["scontrol", "-o", "show"]:
+        if argv[:4] == ["scontrol", "-o", "show", "node"]:
+            out = "".join(f"NodeName={name} Arch=x86_64 NodeAddr={addr} NodeHostName={name} "
+                          f"State={state} Partitions=debug\n"
+                          for name, (addr, state) in self.nodes.items()
+                          if name in argv[4].split(","))
+        elif argv[:3] == ["scontrol", "show", "hostnames"]:
+            out = "\n".join(self.nodes) + "\n"
+        elif argv[:3] == ["scontrol", "-o", "show"]:
             out = self.record + "\n"
         elif argv[:2] == ["scontrol", "requeue"]:
             rc, err = self.requeue_rc, self.requeue_err
@@ -79,7 +91,8 @@ class FakeSlurm:
             out, rc = (self.script, 0) if self.script is not None else ("", 1)
         elif argv[:3] == ["scontrol", "show", "config"]:
             out = f"JobCompType             = jobcomp/none\nJobFileAppend           = " \
-                  f"{self.job_file_append}\nJobRequeue              = 1\n"
+                  f"{self.job_file_append}\nJobRequeue              = 1\n" \
+                  f"SlurmdPort              = {self.slurmd_port}\n"
         return subprocess.CompletedProcess(argv, rc, out, err)
 
     def requeues(self) -> list[list[str]]:
@@ -375,3 +388,64 @@ def test_sbatch_directives_stop_at_the_first_command():
     script = ("#!/bin/bash\n#SBATCH -t 1 -J 'my job'\n\n# a comment\n#SBATCH --mem=4G\n"
               "echo hi\n#SBATCH --ignored\n")
     assert sbatch_directives(script) == [["-t", "1", "-J", "my job"], ["--mem=4G"]]
+
+
+# -- a lost node ------------------------------------------------------------------------------
+
+@pytest.fixture
+def slurmd_port():
+    """A port where "slurmd" listens on 127.0.0.1 alone: 127.0.0.2 is a node whose slurmd is
+    gone (connection refused), as a dead node's address is."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+def nodes_fake(port: int, **nodes: tuple[str, str]) -> FakeSlurm:
+    fake = FakeSlurm()
+    fake.nodes, fake.slurmd_port = dict(nodes), port
+    return fake
+
+
+def test_a_node_slurm_calls_down_or_whose_slurmd_is_gone_is_lost(slurmd_port: int):
+    env = {"SLURM_JOB_NODELIST": "n[1-3]", "SLURMD_NODENAME": "n1"}
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.1", "MIXED"), n2=("127.0.0.2", "MIXED"),
+                      n3=("127.0.0.1", "DOWN+NOT_RESPONDING"))
+    lost = lost_nodes(make_job(fake, **env))
+    assert [n.name for n in lost] == ["n2", "n3"]
+    assert "Connection refused" in lost[0].why and f"127.0.0.2:{slurmd_port}" in lost[0].why
+    assert lost[1].why == "Slurm says DOWN+NOT_RESPONDING"
+    # Every node there: nothing lost (the failure is the script's own).
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.1", "MIXED"), n2=("127.0.0.1", "MIXED*"))
+    assert [n.name for n in lost_nodes(make_job(fake, **env))] == ["n2"]  # * = not responding
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.1", "MIXED"), n2=("127.0.0.1", "ALLOCATED"))
+    assert lost_nodes(make_job(fake, **env)) == []
+
+
+def test_knocks_count_only_when_this_nodes_own_slurmd_answers(slurmd_port: int):
+    # This node's slurmd cannot be reached either (a container without the host's network, a
+    # firewall): a refused knock on another node says nothing. Slurm's own view still counts.
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.3", "MIXED"), n2=("127.0.0.2", "MIXED"),
+                      n3=("127.0.0.2", "DOWN"))
+    job = make_job(fake, SLURM_JOB_NODELIST="n[1-3]", SLURMD_NODENAME="n1")
+    assert [n.name for n in lost_nodes(job)] == ["n3"]
+    # One node: the launcher's own, so alive; nothing is asked.
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.1", "MIXED"))
+    assert lost_nodes(make_job(fake, SLURM_JOB_NODELIST="n1", SLURMD_NODENAME="n1")) == []
+    assert fake.calls == [["scontrol", "show", "hostnames", "n1"]]
+
+
+def test_a_lost_node_requeues_the_job_within_the_budget(slurmd_port: int):
+    fake = nodes_fake(slurmd_port, n1=("127.0.0.1", "MIXED"), n2=("127.0.0.2", "MIXED"))
+    policy = policy_for(fake, SLURM_JOB_NODELIST="n[1-2]", SLURMD_NODENAME="n1",
+                        SLURM_RESTART_COUNT="1")
+    lost = policy.lost_nodes()
+    verdict = policy.after_node_loss(lost, 1)
+    assert verdict.decision is Decision.REQUEUED and fake.requeues() == [["scontrol", "requeue",
+                                                                           "42"]]
+    assert verdict.message.startswith("requeued Slurm job 42 (it lost node n2 (its slurmd at "
+                                      "127.0.0.2:"), verdict.message
+    verdict = policy_for(fake, max_restarts=1, SLURM_JOB_NODELIST="n[1-2]").after_node_loss(
+        lost, 1)
+    assert verdict.decision is Decision.BUDGET_EXHAUSTED and "it lost node n2" in verdict.message

@@ -18,7 +18,7 @@ from procckpt.launcher.interval import FIRST_AUTO_MAX, young_daly
 from procckpt.protocol.control import Heartbeat
 from procckpt.protocol.events import append_event
 from procckpt.protocol.events import read_events
-from procckpt.launcher.restart import LocalRestart
+from procckpt.launcher.restart import Decision, LocalRestart, Verdict
 from procckpt.store import CheckpointStore
 from procckpt.launcher.supervisor import ExitReason, Supervisor
 
@@ -37,6 +37,8 @@ class Cycle:
     step_seconds: float = 0.1  # it reports its steps (a heartbeat) at this pace...
     hangs_at: float | None = None  # ...until then, after which no step completes
     pause: float = 0.5  # what a periodic checkpoint costs it (journalled, as the training does)
+    rank_fails_at: float | None = None  # a rank reports an exception then; the command runs on
+    node_lost_at: float | None = None  # from then the scheduler calls node n2 lost
 
 
 @dataclass
@@ -156,12 +158,39 @@ class FakeEngine:
     def end_cycle(self) -> Confirmation | None:
         return self._confirmation()
 
+    def failures(self) -> list[dict[str, object]]:
+        w, c = self.world, self.world.cycle
+        if c.rank_fails_at is None or w.elapsed() < c.rank_fails_at:
+            return []
+        return [{"rank": 1, "host": "n2", "error": "RuntimeError: Connection closed by peer"}]
+
+
+class NodesPolicy(LocalRestart):
+    """A scheduler's policy that reports node n2 lost from the cycle's ``node_lost_at``, and
+    requeues the job then."""
+
+    def __init__(self, world: World, max_restarts: int) -> None:
+        super().__init__(max_restarts)
+        self.world = world
+        self.asked: list[float] = []
+
+    def lost_nodes(self) -> list[object]:
+        w = self.world
+        self.asked.append(w.elapsed())
+        lost_at = w.cycle.node_lost_at
+        return ["n2 (its slurmd does not answer)"] if lost_at is not None and \
+            w.elapsed() >= lost_at else []
+
+    def after_node_loss(self, lost, restarts: int) -> Verdict:
+        return Verdict(Decision.REQUEUED, f"requeued (lost {', '.join(map(str, lost))})")
+
 
 def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 100.0,
               grace: float | None = 10.0, max_restarts: int = 20,
               interval: float | str | None = "auto",
               hang_timeout: float | str | None = "auto", deadline: object = None,
-              restart_on_failure: bool = False) -> tuple[World, object, float]:
+              restart_on_failure: bool = False, nodes: bool = False,
+              ) -> tuple[World, object, float]:
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
     config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
@@ -174,8 +203,10 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
 
     if deadline is None:
         deadline = LocalDeadline(time_limit) if time_limit is not None else NoDeadline()
+    policy = NodesPolicy(world, max_restarts) if nodes else LocalRestart(max_restarts)
+    world.policy = policy  # type: ignore[attr-defined]
     supervisor = Supervisor(config, store, FakeEngine(world), deadline,
-                            LocalRestart(max_restarts), clock=lambda: world.now,
+                            policy, clock=lambda: world.now,
                             child_factory=lambda argv, env: FakeChild(world, argv, env),
                             wait_signals=wait, stack_dumper=world.dumped.append)
     started = time.perf_counter()
@@ -322,3 +353,39 @@ def test_the_same_failure_again_and_again_backs_off_then_stops(tmp_path: Path):
     assert result.cycles == 3 and "3 times in a row" in result.message, result.message
     # Three 5 s cycles, and 2 s then 4 s of waiting between them.
     assert world.now - 1000.0 == pytest.approx(3 * 5 + 2 + 4, abs=0.5)
+
+
+# -- a lost node ------------------------------------------------------------------------------
+
+def test_a_rank_failed_and_a_node_lost_while_the_command_waits_requeues_the_job(tmp_path: Path):
+    # Rank 1's node dies at 20 s: rank 0 reports the broken connection; srun would wait for the
+    # dead node's task for as long as Slurm takes to notice. The launcher asks soon after.
+    world, result, _ = supervise(tmp_path, [Cycle(rank_fails_at=20, node_lost_at=20)],
+                                 time_limit=None, grace=None, nodes=True)
+    assert result.reason is ExitReason.REQUEUED and result.exit_code == 0
+    assert "lost n2" in result.message
+    events = list(read_events(world.store.events_path))
+    lost = [e for e in events if e["event"] == "node-lost"]
+    assert [e["nodes"] for e in lost] == [["n2 (its slurmd does not answer)"]]
+    assert [e["ended"] for e in events if e["event"] == "cycle-end"] == ["node-lost"]
+    assert signal.SIGTERM in world.killed_with
+    # Asked once the peers had time to end by themselves, long before a hang timeout.
+    asked = world.policy.asked  # type: ignore[attr-defined]
+    assert asked and 25 <= asked[0] <= 40, asked
+
+
+def test_a_rank_failure_with_every_node_there_is_the_scripts_own(tmp_path: Path):
+    # A bug on one rank: its peer sees the broken connection and the command exits 1.
+    world, result, _ = supervise(tmp_path, [Cycle(rank_fails_at=20, exits_at=21, code=1)],
+                                 time_limit=None, grace=None, nodes=True)
+    assert result.reason is ExitReason.FAILED and result.exit_code == 1
+    assert world.policy.asked == [21.0]  # type: ignore[attr-defined]
+    assert not [e for e in read_events(world.store.events_path) if e["event"] == "node-lost"]
+
+
+def test_a_command_that_failed_when_a_node_was_lost_is_requeued(tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(exits_at=30, code=137, node_lost_at=25)],
+                                 time_limit=None, grace=None, nodes=True)
+    assert result.reason is ExitReason.REQUEUED, result.message
+    assert [e["ended"] for e in read_events(world.store.events_path)
+            if e["event"] == "cycle-end"] == ["node-lost"]

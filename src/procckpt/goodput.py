@@ -60,8 +60,8 @@ class Cycle:
     launch: int  #: which ``procckpt run`` (1, 2, ...: one per requeue)
     start: float
     end: float = 0.0
-    #: finished, stopped, exited, failed, hung, unconfirmed; killed (the launcher vanished
-    #: with it); running.
+    #: finished, stopped, exited, failed, node-lost, hung, unconfirmed; killed (the launcher
+    #: vanished with it); running.
     ended: str = "killed"
     exit_code: int | None = None
     #: What came after: a restart's cause, or how the launch ended (requeued, finished...).

@@ -39,7 +39,7 @@ MIN_BAR = 6
 
 ENDINGS = {"finished": "finished", "stopped": "saved, stopped", "exited": "exited 0",
            "failed": "crashed", "hung": "hung", "unconfirmed": "stopped, no checkpoint",
-           "killed": "vanished", "running": "running"}
+           "killed": "vanished", "running": "running", "node-lost": "node lost"}
 #: What came after a cycle: a restart's cause, or how the launch ended.
 AFTER = {"deadline": "restart: time limit", "failure": "restart: crash", "hang": "restart: hang",
          "signal": "restart: signal", "child": "restart", "requeued": "requeued",
@@ -156,7 +156,7 @@ def _timeline(g: Goodput) -> str:
             tx = left + (x(t) - left) * stretch
             parts.append(f"<text x={tx:.1f} y={top - 1} class=mark text-anchor=middle>"
                          f"⏸<title>hang detected at {_clock(t)}</title></text>")
-        if c.ended in ("failed", "killed", "hung", "unconfirmed"):
+        if c.ended in ("failed", "killed", "hung", "unconfirmed", "node-lost"):
             parts.append(f"<text x={right + 2:.1f} y={top + bar - 1} class=crash>✕</text>")
         after = AFTER.get(c.then, c.then) if c.then else ""
         then = f" → {after}" if after else ""

@@ -80,11 +80,17 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
         for r in rows:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    hangs = _count(history, "hang")
+    hangs, lost = _count(history, "hang"), _count(history, "node-lost")
     lines.append("")
     lines.append(f"launches: {_count(history, 'start')}   restarts: {_count(history, 'restart')}   "
                  f"checkpoints saved: {_count(history, 'checkpoint')}"
-                 + (f"   hangs: {hangs}" if hangs else ""))
+                 + (f"   hangs: {hangs}" if hangs else "")
+                 + (f"   nodes lost: {lost}" if lost else ""))
+    node_lost = next((e for e in reversed(history) if e.get("event") == "node-lost"), None)
+    if node_lost is not None:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(node_lost.get("time", 0)))
+        lines.append(f"last node lost: {', '.join(map(str, node_lost.get('nodes', [])))} "
+                     f"(cycle {node_lost.get('cycle', '?')}, {when})")
     resume = next((e for e in reversed(history) if e.get("event") == "resume"), None)
     if resume is not None and isinstance(resume.get("seconds"), (int, float)):
         line = (f"last resume: {resume.get('checkpoint', '?')} (step {resume.get('step', '?')}),"

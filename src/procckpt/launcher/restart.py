@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 __all__ = ["Decision", "Verdict", "RestartPolicy", "LocalRestart", "StopCause"]
@@ -35,6 +36,13 @@ class RestartPolicy(Protocol):
     def after_stop(self, cause: StopCause, signal_name: str | None, restarts: int) -> Verdict:
         """Decide what follows a stop that left a checkpoint; ``restarts`` so far."""
 
+    def lost_nodes(self) -> Sequence[object]:
+        """The nodes of the job that are gone, as the scheduler (and a knock) tells; asked
+        after a command failed or hung. Empty where that cannot be known."""
+
+    def after_node_loss(self, lost: Sequence[object], restarts: int) -> Verdict:
+        """Decide what follows a cycle that ended because ``lost`` nodes are gone."""
+
 
 class LocalRestart:
     """No scheduler: a deadline stop restarts the command here, a signal stop exits."""
@@ -55,3 +63,10 @@ class LocalRestart:
                            f"{self.max_restarts}); the last checkpoint is kept: run again, or "
                            "raise --max-restarts, to continue")
         return Verdict(Decision.RESTART_HERE, f"restart {restarts + 1} of {self.max_restarts}")
+
+    def lost_nodes(self) -> Sequence[object]:
+        return []  # one machine: the launcher's own, alive
+
+    def after_node_loss(self, lost: Sequence[object], restarts: int) -> Verdict:
+        return Verdict(Decision.EXIT_RETRY, f"lost {', '.join(map(str, lost))}; run the same "
+                       "command again to resume")

@@ -49,16 +49,20 @@ class CycleOutcome:
     retry: str | None = None  # the engine runs the next cycle differently (why), see after_exit
     stop_started: float | None = None  # when the stop's checkpoint was asked for
     hung: bool = False  # no step completed for the hang timeout: we stopped it
+    #: Nodes of the job found lost (a scheduler's LostNode), which ended the cycle.
+    lost_nodes: list[object] = field(default_factory=list)
 
     @property
     def ending(self) -> str:
         """How the cycle ended, for the journal: finished, stopped (its checkpoint kept),
-        exited (0, by itself), hung, unconfirmed (a stop whose checkpoint never came) or
-        failed. The work up to the end is kept in the first three cases."""
+        exited (0, by itself), node-lost, hung, unconfirmed (a stop whose checkpoint never
+        came) or failed. The work up to the end is kept in the first three cases."""
         if self.finished:
             return "finished"
         if self.confirmed is not None and self.confirmed.checkpoint is not None:
             return "stopped"
+        if self.lost_nodes:
+            return "node-lost"
         if self.hung:
             return "hung"
         if self.stop_cause is not None:

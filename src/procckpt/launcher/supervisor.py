@@ -137,6 +137,8 @@ class Supervisor:
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
                                   f"{stuck}. Running the same command again "
                                   f"{self._resumes_from()}", error=True)
+            if outcome.lost_nodes:
+                return self._after_node_loss(outcome.lost_nodes, restarts)
             if outcome.hung and not outcome.finished:
                 if restarts >= self.config.max_restarts:
                     return self._exit(1, ExitReason.HUNG,
@@ -211,6 +213,32 @@ class Supervisor:
                 return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED, verdict.message,
                                   error=True)
             return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message)
+
+    def _lost_nodes(self, outcome: CycleOutcome) -> list[object]:
+        """The nodes of the job lost by the end of a cycle that failed, hung or never had its
+        stop confirmed (the policy asks the scheduler); [] otherwise."""
+        if outcome.lost_nodes:
+            return outcome.lost_nodes
+        if outcome.finished or outcome.confirmed is not None or outcome.forwarded:
+            return []
+        if outcome.hung or outcome.stop_cause is not None or outcome.exit_code not in (0, EX_IOERR):
+            return list(self.policy.lost_nodes())
+        return []
+
+    def _after_node_loss(self, lost: list[object], restarts: int) -> RunResult:
+        """A node of the job is gone: the work since the newest checkpoint is lost with it;
+        the policy requeues the job (Slurm starts it again once it has the nodes)."""
+        logger.error("the job lost %s: the work since the newest checkpoint is lost with it; "
+                     "the next cycle %s", ", ".join(map(str, lost)), self._resumes_from())
+        append_event(self.store.events_path, "node-lost", cycle=self.cycles,
+                     nodes=[str(node) for node in lost])
+        verdict = self.policy.after_node_loss(lost, restarts)
+        if verdict.decision is Decision.REQUEUED:
+            return self._exit(0, ExitReason.REQUEUED, verdict.message)
+        if verdict.decision is Decision.BUDGET_EXHAUSTED:
+            return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED, verdict.message,
+                              error=True)
+        return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message, error=True)
 
     def _after_unrequested_exit(self, outcome: CycleOutcome, restarts: int) -> RunResult | None:
         """The result for a command that exited without being asked to; None to restart it."""
@@ -351,7 +379,8 @@ class Supervisor:
                            self.hangs, self.store, self._actions, self._clock,
                            self._wait,  # type: ignore[arg-type]
                            term_timeout=self.config.term_timeout,
-                           reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks)
+                           reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks,
+                           lost_nodes=self.policy.lost_nodes)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
         self._carried_signals = watch.carried
@@ -370,6 +399,7 @@ class Supervisor:
             outcome.retry = after_exit(outcome.exit_code, requested or signalled, signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
+        outcome.lost_nodes = self._lost_nodes(outcome)
         append_event(self.store.events_path, "cycle-end", cycle=self.cycles,
                      code=outcome.exit_code, ended=outcome.ending)
         return outcome

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..durations import format_duration
@@ -35,6 +35,11 @@ TICK = 1.0
 EXIT_AFTER_CONFIRM = 15.0
 #: After asking a hung command for its stacks, this long for them to reach the log.
 STACK_DUMP_WAIT = 2.0
+#: How often the ranks' failure reports are looked for; once one came and the command still
+#: runs this long after, whether a node of the job is lost is asked, then at every check.
+FAILURE_POLL = 5.0
+PEER_WAIT = 10.0
+NODE_CHECK_EVERY = 30.0
 
 
 @dataclass
@@ -65,6 +70,8 @@ class CycleWatch:
     term_timeout: float = 10.0
     reap_orphans: bool = False
     dump_stacks: Callable[[int], None] = lambda pid: None
+    #: The nodes of the job that are lost (the restart policy's view); None: cannot be told.
+    lost_nodes: Callable[[], Sequence[object]] | None = None
     outcome: CycleOutcome = field(default_factory=lambda: CycleOutcome(exit_code=-1))
     stop: _Stop | None = None
     sigints: int = 0
@@ -76,6 +83,8 @@ class CycleWatch:
         self.interval_seq: int | None = None  # the last periodic request, until answered
         period = self.plan.period.seconds
         self.next_interval = self.started + period if period is not None else None
+        self.rank_failed: float | None = None  # when a rank's failure was first seen
+        self.next_failure_look = self.started
 
     def run(self, signals: Iterable[int] = ()) -> CycleOutcome:
         """Watch until the command is gone; ``signals`` arrived before (a previous cycle's)."""
@@ -98,6 +107,8 @@ class CycleWatch:
                 rc = self._follow_stop(now)
                 if rc is None and self.stop is None:
                     rc = self._check_hang(now)
+                if rc is None:
+                    rc = self._check_peers(now)
             else:
                 child.kill_leftovers()
             if rc is not None:
@@ -191,6 +202,32 @@ class CycleWatch:
         self.dump_stacks(self.child.pid)
         self.carried += self.wait(STACK_DUMP_WAIT)
         self.outcome.hung = True
+        return self._stop_child()
+
+    def _check_peers(self, now: float) -> int | None:
+        """A rank ended by an exception while the command runs on: its peers may be waiting
+        for a rank that died with its node. Stop the command when a node of the job is lost;
+        its exit code then."""
+        failures = getattr(self.engine, "failures", None)
+        if self.lost_nodes is None or failures is None or now < self.next_failure_look:
+            return None
+        if self.rank_failed is None:
+            self.next_failure_look = now + FAILURE_POLL
+            found = failures()
+            if not found:
+                return None
+            first = found[0]
+            logger.info("rank %s on %s ended with %s; the command runs on", first.get("rank"),
+                        first.get("host"), first.get("error"))
+            self.rank_failed, self.next_failure_look = now, now + PEER_WAIT
+            return None
+        self.next_failure_look = now + NODE_CHECK_EVERY
+        lost = list(self.lost_nodes())
+        if not lost:
+            return None
+        self.outcome.lost_nodes = lost
+        logger.error("the job lost %s: the command waits in vain for its ranks there; "
+                     "stopping it", ", ".join(map(str, lost)))
         return self._stop_child()
 
     def _follow_stop(self, now: float) -> int | None:

@@ -14,6 +14,8 @@ training process polls it at its safe points: a ``stat`` every few hundred milli
                                                step or the training thread moves
     control/request.json {seq, action}  ->     at the next safe point: save (and exit)
                                         <-     control/ack.json {token, seq, checkpoint, stopping}
+                                        <-     control/failed-<rank>.json {token, rank, host,
+                                               error}: an exception ends this rank
     SIGURG to the process group         ->     every Python process prints its stacks (hangs)
 
 Every file carries the token of the launcher cycle it belongs to, so a leftover request or
@@ -33,6 +35,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import stat
 import time
 import uuid
@@ -58,6 +61,10 @@ STACK_DUMP_SIGNAL = signal.SIGURG
 
 #: The longest control file read; the protocol's are a few hundred bytes.
 MAX_CONTROL_FILE = 64 << 10
+
+#: A rank ended by an exception writes ``failed-<rank>.json``, with this much of its error.
+FAILURE_PREFIX = "failed-"
+MAX_ERROR_TEXT = 500
 
 ACTION_CHECKPOINT = "checkpoint"  # save and go on training
 ACTION_STOP = "stop"  # save, then exit
@@ -215,6 +222,18 @@ class ControlChannel:
                     pass
         return self._beat
 
+    def failures(self) -> list[dict[str, Any]]:
+        """What the ranks of this cycle that ended in an exception said (:meth:`report_failure`),
+        by rank."""
+        try:
+            with _opened_dir(self.dir) as fd:
+                names = sorted(n for n in os.listdir(fd)
+                               if n.startswith(FAILURE_PREFIX) and n.endswith(".json"))
+        except OSError:
+            return []
+        found = (self._read_json(name) for name in names)
+        return [f for f in found if f is not None and f.get("token") == self.token]
+
     def clear(self) -> None:
         try:
             with _opened_dir(self.dir) as fd:
@@ -236,6 +255,13 @@ class ControlChannel:
         info = {"token": self.token, "step": step, "moves": moves, "gap": gap,
                 "time": time.time()}
         self._write(self.heartbeat_path.name, info, durable=False)
+
+    def report_failure(self, rank: int, error: str) -> None:
+        """Say that an exception is ending this rank: the launcher of a group whose other ranks
+        go on running (a peer that died with its node leaves them waiting) looks at the nodes."""
+        info = {"token": self.token, "rank": rank, "host": socket.gethostname(),
+                "pid": os.getpid(), "error": error[:MAX_ERROR_TEXT], "time": time.time()}
+        self._write(f"{FAILURE_PREFIX}{rank}.json", info)
 
     def poll(self) -> Request | None:
         """Return a new request for this cycle, or None. Cheap when nothing changed."""

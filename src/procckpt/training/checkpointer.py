@@ -29,6 +29,7 @@ from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
 from .check import check_hook
 from .context import DEFAULT_DIR, LaunchContext, default_dir
+from .failures import open_control
 from .liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .member import CheckpointerAsMember
@@ -123,7 +124,7 @@ class Checkpointer:
             self.restore_seconds: float | None = None
 
             self._lock: DirLock | None = None
-            control = ctl.ControlChannel(self.store.control_dir, token) if token else None
+            control = open_control(self.store.control_dir, token, self.rank)
             self._triggers = SaveTriggers(
                 control, polls_control=dist_.polls_control(self.rank), answers=self.is_writer,
                 interval=interval, save_best=save_best, metric_mode=metric_mode,
@@ -403,8 +404,7 @@ class Checkpointer:
             flags = agreed
         if flags is None:
             return  # the common case, every step: nothing to save
-        reason = triggers.reason_for(flags)
-        if reason is None:
+        if (reason := triggers.reason_for(flags)) is None:
             return
         triggers.best_pending = False
         with self._liveness.working():  # procckpt's own work is no hang of the training

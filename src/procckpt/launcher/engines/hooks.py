@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel, Heartbeat
 from ...store import CheckpointStore
 from . import Confirmation, RequestUndelivered
@@ -49,6 +51,11 @@ class HooksEngine:
         """The training's newest heartbeat in this cycle (for hang detection)."""
         assert self._channel is not None
         return self._channel.heartbeat()
+
+    def failures(self) -> list[dict[str, Any]]:
+        """What the ranks that an exception ended in this cycle said (rank, host, error)."""
+        assert self._channel is not None
+        return self._channel.failures()
 
     def end_cycle(self) -> Confirmation | None:
         assert self._channel is not None

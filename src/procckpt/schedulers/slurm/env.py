@@ -37,6 +37,8 @@ class SlurmEnv:
     end_time: float | None = None  # seconds since the epoch
     chain: bool = False
     tmpdirs: tuple[str, ...] = ()
+    node_list: str | None = None  # the job's nodes, as Slurm writes them (n[1-2])
+    node_name: str | None = None  # the node this process runs on, by Slurm's name
 
     @property
     def is_array_task(self) -> bool:
@@ -111,4 +113,7 @@ def slurm_env(environ: Mapping[str, str] | None = None) -> SlurmEnv | None:
         end_time=end_time,
         chain=not _falsy(environ.get(ENV_CHAIN, "0")),
         tmpdirs=tmpdirs,
+        node_list=(environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
+                   or None),
+        node_name=environ.get("SLURMD_NODENAME") or None,
     )

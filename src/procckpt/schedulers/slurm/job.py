@@ -175,6 +175,23 @@ class SlurmJob:
         res = self._call(["scontrol", "write", "batch_script", self.env.job_id, "-"])
         return res.stdout if res is not None and res.returncode == 0 else None
 
+    def node_names(self) -> list[str]:
+        """The job's nodes, one name each (``scontrol show hostnames`` of its node list)."""
+        if not self.env.node_list:
+            return []
+        res = self._call(["scontrol", "show", "hostnames", self.env.node_list])
+        if res is None or res.returncode != 0:
+            return []
+        return res.stdout.split()
+
+    def node_records(self, names: Sequence[str]) -> dict[str, dict[str, str]]:
+        """``scontrol show node`` of ``names``, by name ({} if it cannot answer)."""
+        res = self._call(["scontrol", "-o", "show", "node", ",".join(names)])
+        if res is None or res.returncode != 0:
+            return {}
+        records = (parse_scontrol_record(line) for line in res.stdout.splitlines())
+        return {r["NodeName"]: r for r in records if r.get("NodeName")}
+
     def config_value(self, key: str) -> str | None:
         res = self._call(["scontrol", "show", "config"])
         if res is None or res.returncode != 0:

@@ -1,15 +1,18 @@
-"""After a checkpointed stop in a Slurm job: why the job is stopping, and whether to requeue it."""
+"""After a checkpointed stop (or a lost node) in a Slurm job: why the job is stopping, and whether
+to requeue it."""
 
 from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 
 from ...errors import EX_TEMPFAIL
 from ...launcher.config import RunConfig
 from ...launcher.restart import Decision, LocalRestart, StopCause, Verdict
 from .deadline import NEAR_END, SlurmDeadline
 from .job import SlurmJob
+from .nodes import LostNode, lost_nodes
 
 __all__ = ["StopKind", "SlurmRequeue"]
 
@@ -66,6 +69,18 @@ class SlurmRequeue:
                            "with no time limit near and no preemption (scancel?): not "
                            "requeued. The checkpoint is kept: submit the job again to resume")
         why = "its time limit is near" if kind is StopKind.TIME_LIMIT else "it is preempted"
+        return self._requeue(why, restarts)
+
+    def lost_nodes(self) -> list[LostNode]:
+        return lost_nodes(self.job)
+
+    def after_node_loss(self, lost: Sequence[LostNode], restarts: int) -> Verdict:
+        nodes = ", ".join(str(node) for node in lost)
+        return self._requeue(f"it lost node{'s' if len(lost) > 1 else ''} {nodes}", restarts)
+
+    def _requeue(self, why: str, restarts: int) -> Verdict:
+        """Requeue the job (or leave it to the chain's next task), within the budget."""
+        label = self.job.env.label
         if self.chain is not None:
             task, last = self.chain
             if task < last:
@@ -80,8 +95,8 @@ class SlurmRequeue:
             return Verdict(Decision.BUDGET_EXHAUSTED,
                            f"restart budget exhausted: {label} has used {restarts} of "
                            f"--max-restarts {self.config.max_restarts} (SLURM_RESTART_COUNT), "
-                           "so it is not requeued again. The checkpoint is kept: submit again, "
-                           "or raise --max-restarts, to continue")
+                           f"so it is not requeued again ({why}). The checkpoint is kept: "
+                           "submit again, or raise --max-restarts, to continue")
         if not self.job.has("scontrol"):
             return Verdict(Decision.EXIT_RETRY,
                            f"{label} stopped ({why}) but scontrol is not available here "

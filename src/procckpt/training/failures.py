@@ -1,0 +1,48 @@
+"""A rank that an exception ends tells the launcher so, before Python prints the traceback.
+
+In a group, one rank's end is seen by its peers as a broken connection, and they end too; but a
+rank whose peer died with its node can be left waiting for it (srun waits for a task whose
+node is gone). The launcher, told that a rank failed while the command still runs, asks the
+scheduler whether a node of the job is lost (launcher/watch.py). The report is a file in the
+control directory (``failed-<rank>.json``), written by a ``sys.excepthook`` that then calls
+the one it replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from types import TracebackType
+
+from ..protocol import control as ctl
+
+__all__ = ["open_control"]
+
+#: The channel and rank of the newest Checkpointer of this process, and the hook replaced.
+_current: tuple[ctl.ControlChannel, int] | None = None
+_previous = sys.excepthook
+
+
+def _report(kind: type[BaseException], value: BaseException,
+            tb: TracebackType | None) -> None:
+    if _current is not None and not issubclass(kind, KeyboardInterrupt):
+        control, rank = _current
+        lines = str(value).strip().splitlines()
+        with contextlib.suppress(Exception):  # the traceback must be printed whatever happens
+            control.report_failure(rank, f"{kind.__name__}: {lines[0] if lines else ''}")
+    _previous(kind, value, tb)
+
+
+def open_control(control_dir: Path, token: str | None, rank: int) -> ctl.ControlChannel | None:
+    """The control channel of a launched run (None outside ``procckpt run``), with this rank's
+    uncaught exceptions reported through it."""
+    global _current, _previous
+    if not token:
+        return None
+    control = ctl.ControlChannel(control_dir, token)
+    _current = (control, rank)
+    if sys.excepthook is not _report:
+        _previous = sys.excepthook
+        sys.excepthook = _report
+    return control
