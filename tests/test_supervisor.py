@@ -368,6 +368,8 @@ def test_a_rank_failed_and_a_node_lost_while_the_command_waits_requeues_the_job(
     lost = [e for e in events if e["event"] == "node-lost"]
     assert [e["nodes"] for e in lost] == [["n2 (its slurmd does not answer)"]]
     assert [e["ended"] for e in events if e["event"] == "cycle-end"] == ["node-lost"]
+    [failed] = [e for e in events if e["event"] == "rank-failed"]
+    assert failed["rank"] == 1 and failed["node"] == "n2" and "closed by peer" in failed["error"]
     assert signal.SIGTERM in world.killed_with
     # Asked once the peers had time to end by themselves, long before a hang timeout.
     asked = world.policy.asked  # type: ignore[attr-defined]
@@ -389,3 +391,15 @@ def test_a_command_that_failed_when_a_node_was_lost_is_requeued(tmp_path: Path):
     assert result.reason is ExitReason.REQUEUED, result.message
     assert [e["ended"] for e in read_events(world.store.events_path)
             if e["event"] == "cycle-end"] == ["node-lost"]
+
+
+def test_a_hang_when_a_node_was_lost_requeues_instead_of_restarting_here(tmp_path: Path):
+    # NCCL ranks whose peer vanished may wait in a collective instead of failing: the hang
+    # timeout ends the wait, and the lost node decides what follows.
+    world, result, _ = supervise(tmp_path, [Cycle(hangs_at=20, node_lost_at=20)],
+                                 time_limit=None, grace=None, hang_timeout=60, nodes=True)
+    assert result.reason is ExitReason.REQUEUED, result.message
+    events = list(read_events(world.store.events_path))
+    assert [e["event"] for e in events if e["event"] in ("hang", "node-lost", "restart")] == \
+        ["hang", "node-lost"]
+    assert [e["ended"] for e in events if e["event"] == "cycle-end"] == ["node-lost"]

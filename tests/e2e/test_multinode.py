@@ -124,6 +124,8 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_periodic_checkpoint
     assert record["JobState"] == "COMPLETED", (record, job.log[-4000:])
     assert record["Restarts"] == "1", record
     events = job.events
+    # Rank 0 (on n1) reported its broken connection; rank 1 died with n2, unable to.
+    assert [(e["rank"], e["node"]) for e in events if e["event"] == "rank-failed"] == [(0, "n1")]
     [lost] = [e for e in events if e["event"] == "node-lost"]
     assert len(lost["nodes"]) == 1 and lost["nodes"][0].startswith("n2 ("), lost
     assert [e["reason"] for e in events if e["event"] == "exit"] == ["requeued", "finished"]

@@ -219,6 +219,8 @@ class CycleWatch:
             first = found[0]
             logger.info("rank %s on %s ended with %s; the command runs on", first.get("rank"),
                         first.get("host"), first.get("error"))
+            append_event(self.store.events_path, "rank-failed", rank=first.get("rank"),
+                         node=first.get("host"), error=first.get("error"), cycle=self.cycle)
             self.rank_failed, self.next_failure_look = now, now + PEER_WAIT
             return None
         self.next_failure_look = now + NODE_CHECK_EVERY
