@@ -142,3 +142,22 @@ def test_nothing_to_say_before_a_launch_and_every_kind_is_reported():
     g = compute_goodput([ev(0, "start"), *cycle(0, 5, "exited")])
     assert set(g.as_json()["seconds"]) == set(KINDS)
     assert g.as_json()["ettr"] == pytest.approx(1.0)
+
+
+def test_a_node_lost_mid_cycle_loses_the_work_since_its_last_checkpoint():
+    # The launch ends with the job requeued; its cycle ended node-lost (the journal as the
+    # two-node test wrote it: rank-failed, then node-lost with cycle-end, then the exit).
+    journal = [ev(0, "start", job_id="7"),
+               *cycle(0, 58, "node-lost",
+                      ev(22, "ready", restore=0.0),
+                      ev(32, "checkpoint", seconds=1.0, background=True, stall=0.01),
+                      ev(38, "rank-failed", rank=0, node="n1", error="RuntimeError: ...")),
+               ev(58, "node-lost", cycle=1, nodes=["n2 (Slurm says DOWN)"]),
+               ev(58.1, "exit", reason="requeued")]
+    g = compute_goodput(journal)
+    [c] = g.cycles
+    assert c.ended == "node-lost" and c.then == "requeued"
+    # The checkpoint's write began at 31 (its pause 31..31.01): what came after is lost.
+    assert c.seconds()["lost"] == pytest.approx(58 - 31.01)
+    assert c.seconds()["training"] == pytest.approx(31 - 22)
+    assert_adds_up(g)
