@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = ["Decision", "Verdict", "RestartPolicy", "LocalRestart", "StopCause"]

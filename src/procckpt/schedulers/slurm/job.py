@@ -179,6 +179,8 @@ class SlurmJob:
         """The job's nodes, one name each (``scontrol show hostnames`` of its node list)."""
         if not self.env.node_list:
             return []
+        if not any(c in self.env.node_list for c in ",["):
+            return [self.env.node_list]  # one node: nothing to expand
         res = self._call(["scontrol", "show", "hostnames", self.env.node_list])
         if res is None or res.returncode != 0:
             return []
