@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .job import SlurmJob
@@ -28,9 +27,6 @@ LOST_STATES = frozenset({"DOWN", "NOT_RESPONDING", "FAIL", "POWERED_DOWN", "POWE
                          "POWERING_DOWN", "REBOOT_ISSUED"})
 SLURMD_PORT = 6818  # Slurm's default SlurmdPort
 KNOCK_TIMEOUT = 3.0
-
-Knock = Callable[[str, int], str | None]
-
 
 @dataclass(frozen=True)
 class LostNode:
@@ -55,7 +51,13 @@ def _lost_state(state: str) -> bool:
     return state.endswith("*") or bool(flags & LOST_STATES)
 
 
-def lost_nodes(job: SlurmJob, *, knock: Knock = knock) -> list[LostNode]:
+def _slurmd(record: dict[str, str], port: int) -> tuple[str, int] | None:
+    """Where a node's slurmd listens (its ``NodeAddr``, its own ``Port`` or the cluster's)."""
+    address = record.get("NodeAddr")
+    return (address, int(record.get("Port") or port)) if address else None
+
+
+def lost_nodes(job: SlurmJob) -> list[LostNode]:
     """The nodes of this job that Slurm calls lost or whose slurmd does not answer; [] when
     all answer, or when that cannot be told (no scontrol, no node list)."""
     names = job.node_names()
@@ -66,19 +68,17 @@ def lost_nodes(job: SlurmJob, *, knock: Knock = knock) -> list[LostNode]:
     if (configured := job.config_value("SlurmdPort")) and configured.isdigit():
         port = int(configured)
     own = job.env.node_name
-    own_address = records.get(own or "", {}).get("NodeAddr")
-    own_answer = (knock(own_address, int(records[own or ""].get("Port") or port))
-                  if own_address else "this node is not known")
+    own_slurmd = _slurmd(records.get(own or "", {}), port)
+    own_answer = knock(*own_slurmd) if own_slurmd else "this node is not known"
     lost = []
     for name in names:
         record = records.get(name, {})
         state = record.get("State", "")
         if state and _lost_state(state):
             lost.append(LostNode(name, f"Slurm says {state}"))
-        elif name != own and own_answer is None and (address := record.get("NodeAddr")):
-            node_port = int(record.get("Port") or port)
-            if (why := knock(address, node_port)) is not None:
-                lost.append(LostNode(name, f"its slurmd at {address}:{node_port} does not "
+        elif name != own and own_answer is None and (slurmd := _slurmd(record, port)):
+            if (why := knock(*slurmd)) is not None:
+                lost.append(LostNode(name, f"its slurmd at {slurmd[0]}:{slurmd[1]} does not "
                                            f"answer: {why}"))
     if own_answer is not None:
         logger.debug("no knock on the nodes' slurmd: this node's own does not answer (%s)",
