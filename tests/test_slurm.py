@@ -39,11 +39,12 @@ def stamp(epoch: float) -> str:
 
 def record_line(job_id: str = "42", *, state: str = "RUNNING", end: float = NOW + 300,
                 limit: str = "00:05:00", requeue: str = "1", preempt: str = "None",
-                array: str = "") -> str:
+                array: str = "", reason: str = "None", restarts: int = 0) -> str:
     """A line of `scontrol -o show job` as the test cluster prints it (shortened)."""
     return (f"JobId={job_id} {array}JobName=train UserId=root(0) GroupId=root(0) "
             f"MCS_label=N/A Priority=4294901759 Nice=0 Account=(null) QOS=(null) "
-            f"JobState={state} Reason=None Dependency=(null) Requeue={requeue} Restarts=0 "
+            f"JobState={state} Reason={reason} Dependency=(null) Requeue={requeue} "
+            f"Restarts={restarts} "
             f"BatchFlag=1 Reboot=0 ExitCode=0:0 RunTime=00:00:00 TimeLimit={limit} TimeMin=N/A "
             f"SubmitTime={stamp(NOW - 10)} EligibleTime={stamp(NOW - 10)} "
             f"StartTime={stamp(end - 300)} EndTime={stamp(end)} Deadline=N/A "
@@ -69,6 +70,8 @@ class FakeSlurm:
         #: Nodes by name: (NodeAddr, State), for ``scontrol show node`` and ``show hostnames``.
         self.nodes: dict[str, tuple[str, str]] = {}
         self.slurmd_port = 6818
+        #: What ``scontrol show job`` prints once ``scontrol requeue`` has run, if it changes.
+        self.record_after_requeue: str | None = None
 
     def which(self, name: str) -> str | None:
         return f"/usr/bin/{name}" if name in self.tools else None
@@ -87,6 +90,7 @@ class FakeSlurm:
             out = self.record + "\n"
         elif argv[:2] == ["scontrol", "requeue"]:
             rc, err = self.requeue_rc, self.requeue_err
+            self.record = self.record_after_requeue or self.record
         elif argv[:3] == ["scontrol", "write", "batch_script"]:
             out, rc = (self.script, 0) if self.script is not None else ("", 1)
         elif argv[:3] == ["scontrol", "show", "config"]:
@@ -296,6 +300,42 @@ def test_without_scontrol_or_when_requeue_fails_it_exits_75_for_someone_else_to_
     assert verdict.decision is Decision.EXIT_RETRY
     assert verdict.message.startswith("scontrol requeue 42 failed: Requested operation is "
                                       "presently disabled for job 42")
+
+
+def test_a_requeue_whose_scontrol_the_requeue_itself_killed_counts_if_slurm_did_it():
+    # Slurm signals every process of the job it requeues, scontrol too if it has not exited.
+    killed = FakeSlurm(requeue_rc=-15)
+    policy = policy_for(killed, SLURM_RESTART_COUNT="1")
+    killed.record_after_requeue = record_line(state="COMPLETING", restarts=2)
+    verdict = policy.after_stop(StopCause.DEADLINE, None, 1)
+    assert verdict.decision is Decision.REQUEUED, verdict.message
+    assert verdict.message.startswith("requeued Slurm job 42 (its time limit is near)")
+    # Killed before it reached the controller: Restarts did not move, so it failed.
+    early = FakeSlurm(requeue_rc=-15)
+    verdict = policy_for(early, SLURM_RESTART_COUNT="1").after_stop(StopCause.DEADLINE, None, 1)
+    assert verdict.decision is Decision.EXIT_RETRY
+    assert verdict.message.startswith("scontrol requeue 42 failed: exit code -15")
+
+
+def test_a_job_cancelled_while_it_checkpointed_for_its_limit_is_not_brought_back():
+    fake = FakeSlurm()
+    policy = policy_for(fake)
+    # What scontrol shows of a running job that scancel is ending.
+    fake.record = record_line(state="COMPLETING")
+    verdict = policy.after_stop(StopCause.DEADLINE, None, 0)
+    assert verdict.decision is Decision.EXIT_RETRY
+    assert verdict.message == ("Slurm job 42 stopped (its time limit is near) and was cancelled "
+                               "meanwhile (scancel?): not requeued. The checkpoint is kept: "
+                               "submit the job again to resume")
+    assert fake.requeues() == []
+    # Ended by its time limit (the reason says so) or already requeued by Slurm: it comes back.
+    fake.record = record_line(state="COMPLETING", reason="TimeLimit")
+    assert policy.after_stop(StopCause.DEADLINE, None, 0).decision is Decision.REQUEUED
+    assert len(fake.requeues()) == 1
+    fake.record = record_line(state="PENDING", reason="BeginTime", restarts=1)
+    verdict = policy.after_stop(StopCause.DEADLINE, None, 0)
+    assert verdict.decision is Decision.REQUEUED and len(fake.requeues()) == 1
+    assert "Slurm has requeued it already" in verdict.message
 
 
 def test_chain_tasks_stop_without_requeue_and_the_last_one_says_the_chain_is_used_up():

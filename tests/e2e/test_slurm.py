@@ -429,3 +429,9 @@ def test_an_extended_time_limit_moves_the_checkpoint(slurm_jobs: Submitted):
     # The old limit would have asked at ~45 s (60 s - 15 s grace); the new one at ~90 s
     # (120 s - 30 s). Job start to procckpt start takes a few seconds, hence the slack.
     assert 70 <= trigger["time"] - started <= 100, trigger["time"] - started
+    # The scancel came while procckpt checkpointed for the limit: the job must not come back.
+    # (scancel cancels a job that procckpt requeued first as well.)
+    record = watcher.wait_done(job.job_id, timeout=120)
+    assert record["JobState"] == "CANCELLED", (record, job.log[-2000:])
+    if record["Restarts"] == "0":
+        assert "requeued Slurm job" not in job.log, job.log[-2000:]

@@ -100,6 +100,20 @@ class JobRecord:
         value = self.fields.get("PreemptTime", "None").strip()
         return value not in ("", "None", "Unknown", "N/A") or self.state == "PREEMPTED"
 
+    @property
+    def restarts(self) -> int | None:
+        value = self.fields.get("Restarts", "").strip()
+        return int(value) if value.isdigit() else None
+
+    @property
+    def cancelled(self) -> bool:
+        """Someone cancelled the job (scancel) while it still runs. scontrol shows such a job
+        as COMPLETING with no reason (a time limit's end says TimeLimit, a lost node NodeDown);
+        a preempted job can look the same, so its preemption time rules it out."""
+        reason = self.fields.get("Reason", "None").strip()
+        ending = self.state == "CANCELLED" or (self.state == "COMPLETING" and reason == "None")
+        return ending and not self.preempted
+
 
 def node_address(name: str, *, run: Runner = subprocess.run) -> str | None:
     """Node ``name``'s address as Slurm knows it (``NodeAddr`` of ``scontrol show node``), or
@@ -167,8 +181,18 @@ class SlurmJob:
         res = self._call(["scontrol", "requeue", self.env.requeue_target])
         if res is None:
             return False, "scontrol could not be run"
+        if res.returncode < 0 and self.requeued():
+            # Slurm signals every process of a job it requeues, scontrol too if it has not
+            # exited yet: killed by a signal, it may still have done its work.
+            return True, "requeued"
         message = (res.stderr or res.stdout).strip().splitlines()
         return res.returncode == 0, message[-1] if message else f"exit code {res.returncode}"
+
+    def requeued(self) -> bool:
+        """Whether Slurm has requeued this job since it started (its Restarts went up)."""
+        record = self.record()
+        restarts = record.restarts if record is not None else None
+        return restarts is not None and restarts > self.env.restart_count
 
     def batch_script(self) -> str | None:
         """The job script Slurm runs (``scontrol write batch_script``), if it can be read."""

@@ -102,6 +102,18 @@ class SlurmRequeue:
                            f"{label} stopped ({why}) but scontrol is not available here "
                            f"(inside a container?), so procckpt cannot requeue it; exiting with "
                            f"{EX_TEMPFAIL} so that the job script outside can requeue")
+        record = self.job.record()
+        if record is not None and record.cancelled:
+            # An scancel that came while procckpt checkpointed: a requeue would undo it.
+            return Verdict(Decision.EXIT_RETRY,
+                           f"{label} stopped ({why}) and was cancelled meanwhile (scancel?): "
+                           "not requeued. The checkpoint is kept: submit the job again to "
+                           "resume")
+        if record is not None and (record.restarts or 0) > self.job.env.restart_count:
+            return Verdict(Decision.REQUEUED,
+                           f"{label} stopped ({why}) and Slurm has requeued it already; "
+                           f"restart {restarts + 1} of {self.config.max_restarts} resumes from "
+                           "the checkpoint")
         logger.info("%s: %s; requeueing it (restart %d of %d)", label, why, restarts + 1,
                     self.config.max_restarts)
         done, message = self.job.requeue()
