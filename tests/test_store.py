@@ -96,6 +96,31 @@ def test_foreign_directory_is_refused(tmp_path: Path):
     assert (foreign / "thesis.tex").read_text() == "precious"
 
 
+def test_a_dir_that_another_procckpt_is_creating_is_opened_too(tmp_path: Path):
+    # The pods of a run on several nodes start together: one finds the dir half made by the
+    # other (its subdirs, its marker not yet renamed into place).
+    import multiprocessing
+
+    half = tmp_path / "half"
+    for sub in ("checkpoints", "control"):
+        (half / sub).mkdir(parents=True)
+    (half / ".tmp-.procckpt-4242-0a1b2c3d").write_bytes(b"")
+    assert CheckpointStore(half).open().checkpoints() == []
+    # And for real: processes opening one new dir at once all succeed.
+    new = tmp_path / "new"
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(4) as pool:
+        assert pool.map(_open_store, [str(new)] * 8) == ["ok"] * 8
+
+
+def _open_store(path: str) -> str:
+    try:
+        CheckpointStore(path).open()
+    except StoreError as e:
+        return str(e)
+    return "ok"
+
+
 def test_unusable_paths(tmp_path: Path):
     afile = tmp_path / "f"
     afile.write_text("")

@@ -50,6 +50,10 @@ COMPLETE = "COMPLETE"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 
 
+#: The entries a new checkpoint dir gets before its marker.
+_OWN_FIRST = ("checkpoints", "control")
+
+
 class CheckpointStore:
     """A checkpoint directory. ``open()`` must be called before anything else."""
 
@@ -86,7 +90,10 @@ class CheckpointStore:
         if root.is_dir():
             marker = root / MARKER
             if not marker.exists():
-                others = [p.name for p in root.iterdir()][:3]
+                # What another procckpt that is creating the dir right now makes (the pods of a
+                # run on several nodes start together) is not someone else's.
+                others = [p.name for p in root.iterdir() if p.name not in _OWN_FIRST
+                          and not p.name.startswith(".tmp-")][:3]
                 if others:
                     raise StoreError(
                         f"{root} is not a procckpt checkpoint dir (it holds {', '.join(others)}"
