@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,7 @@ class FakeEngine:
         self.answered: set[int] = set()  # periodic checkpoints, durable and acknowledged
 
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
-        return list(argv), {}
+        return list(argv), {"PROCCKPT_TOKEN": token}
 
     def request(self, action: str, reason: str) -> int:
         self.seq += 1
@@ -189,16 +190,23 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
               grace: float | None = 10.0, max_restarts: int = 20,
               interval: float | str | None = "auto",
               hang_timeout: float | str | None = "auto", deadline: object = None,
-              restart_on_failure: bool = False, nodes: bool = False,
+              restart_on_failure: bool = False, nodes: bool = False, nodes_count: int = 1,
+              at: dict[float, Callable[[], object]] | None = None,
               ) -> tuple[World, object, float]:
+    """Supervise ``cycles``; ``at`` acts at those times into a cycle (as another process
+    would)."""
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
     config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
                        max_restarts=max_restarts, term_timeout=10.0, interval=interval,
-                       hang_timeout=hang_timeout, restart_on_failure=restart_on_failure)
+                       hang_timeout=hang_timeout, restart_on_failure=restart_on_failure,
+                       nodes=nodes_count)
+    pending = dict(at or {})
 
     def wait(timeout: float) -> list[int]:
         world.now += max(timeout, 0.001)
+        for t in [t for t in pending if t <= world.elapsed()]:
+            pending.pop(t)()
         return []
 
     if deadline is None:

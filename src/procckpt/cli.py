@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import sys
@@ -58,6 +59,10 @@ def cli() -> None:
               "SIGKILL [10s].")
 @click.option("--checkpoint-signal", metavar="SIG", help="Signal meaning 'checkpoint now, then "
               "stop' besides SIGTERM [USR1].")
+@click.option("--nodes", metavar="N", help="The run spans N nodes, each starting its own part "
+              "of the command under procckpt run (Kubernetes pods) [1].")
+@click.option("--node-rank", metavar="K", help="Which of the --nodes this is; node 0 leads, the "
+              "others follow its cycles [0].")
 @click.option("--config", "config_path", metavar="FILE", help="Config file [./procckpt.yaml].")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def run(command: tuple[str, ...], config_path: str | None, dir_: str | None,
@@ -80,6 +85,10 @@ def run_command(config: RunConfig) -> int:
     if "/" not in exe and shutil.which(exe) is None:
         raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
     store = CheckpointStore(config.dir, keep=config.keep).open()
+    if config.node_rank > 0:  # node 0's launcher holds the lock and leads
+        from .launcher.follower import Follower
+
+        return Follower(config, store).run().exit_code
     with store.lock():
         complete = store.completion()
         if complete and not config.force:
@@ -104,7 +113,11 @@ def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
     from .launcher.engines.choice import choose_engine
     from .launcher.engines.hooks import HooksEngine
 
-    choice = choose_engine(config.engine, config.command, store)
+    choice = choose_engine("hooks" if config.nodes > 1 else config.engine, config.command,
+                           store)
+    if config.nodes > 1:
+        choice = dataclasses.replace(choice, reason=f"--nodes {config.nodes}: the ranks of every "
+                                     "node answer through procckpt.Checkpointer")
     logger.info("engine: %s (%s)", choice.name, choice.reason)
     if choice.warning is not None:
         logger.warning("%s", choice.warning)

@@ -48,6 +48,10 @@ class RunConfig:
     force: bool = False
     term_timeout: float = 10.0
     checkpoint_signal: str = "USR1"
+    #: A run on several nodes, each starting its own part of the command under its own
+    #: launcher (Kubernetes pods): how many, and which one this is (0 leads).
+    nodes: int = 1
+    node_rank: int = 0
 
     def grace_for(self, limit: float | None) -> float:
         """Seconds before the deadline at which to ask for the checkpoint.
@@ -152,6 +156,8 @@ _CONVERTERS: dict[str, Callable[[Any], Any]] = {
     "force": _bool("force"),
     "term_timeout": _duration("term_timeout"),
     "checkpoint_signal": _signal,
+    "nodes": _int("nodes", 1),
+    "node_rank": _int("node_rank", 0),
 }
 
 
@@ -233,6 +239,12 @@ def _validate(config: RunConfig) -> None:
         raise UsageError("interval must be positive")
     if config.mtbf <= 0:
         raise UsageError("mtbf must be positive: the expected time between failures")
+    if config.node_rank >= config.nodes:
+        raise UsageError(f"node-rank {config.node_rank} is not below nodes {config.nodes}: "
+                         "number the nodes 0 to nodes-1, and give --nodes on every one")
+    if config.nodes > 1 and config.engine == "dmtcp":
+        raise UsageError("--nodes needs the hooks engine (procckpt.Checkpointer in the "
+                         "script): a DMTCP image holds one node's processes")
 
 
 def option_names() -> list[str]:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from ..durations import format_duration
 from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from ..protocol import control as ctl
+from ..protocol.group import LeaderBoard
 from ..protocol.events import append_event
 from ..store import CheckpointStore
 from . import pid1
@@ -91,6 +92,8 @@ class Supervisor:
         #: checkpoint's step), and how often in a row it came so.
         self._last_failure: tuple[int, int | None] | None = None
         self._same_failures = 0
+        #: A run on several nodes, each with its launcher: this one, node 0's, leads.
+        self.board = LeaderBoard(store.control_dir, config.nodes) if config.nodes > 1 else None
 
     # -- the whole run ---------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -328,6 +331,8 @@ class Supervisor:
 
     def _exit(self, code: int, reason: ExitReason, message: str, error: bool = False,
               ) -> RunResult:
+        if self.board is not None:
+            self.board.exited(code, message)
         append_event(self.store.events_path, "exit", code=code, reason=reason.value,
                      message=message, cycles=self.cycles)
         (logger.error if error else logger.info)("%s", message)
@@ -354,6 +359,10 @@ class Supervisor:
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.store.root / INDUCTOR_CACHE_DIR))
         env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(self._restart_number(restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
+        if self.board is not None:  # the other nodes start their part with the same env
+            self.board.running(token, self.cycles, {
+                k: env[k] for k in (*engine_env, ctl.ENV_DIR, ctl.ENV_RESTART, ctl.ENV_CYCLE,
+                                    ctl.ENV_ENGINE)})
         child = self._child_factory(argv, env)
         self.hangs.start_cycle()
         started = self._clock()
@@ -380,7 +389,8 @@ class Supervisor:
                            self._wait,  # type: ignore[arg-type]
                            term_timeout=self.config.term_timeout,
                            reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks,
-                           lost_nodes=self.policy.lost_nodes)
+                           lost_nodes=self.policy.lost_nodes,
+                           peer_stops=self.board.stop_requests if self.board else None)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
         self._carried_signals = watch.carried
@@ -400,6 +410,8 @@ class Supervisor:
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         outcome.lost_nodes = self._lost_nodes(outcome)
+        if self.board is not None:
+            self.board.between()
         append_event(self.store.events_path, "cycle-end", cycle=self.cycles,
                      code=outcome.exit_code, ended=outcome.ending)
         return outcome

@@ -11,6 +11,7 @@ import logging
 import signal
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..durations import format_duration
 from ..protocol.events import append_event
@@ -72,6 +73,8 @@ class CycleWatch:
     dump_stacks: Callable[[int], None] = lambda pid: None
     #: The nodes of the job that are lost (the restart policy's view); None: cannot be told.
     lost_nodes: Callable[[], Sequence[object]] | None = None
+    #: What the other nodes' launchers asked of this cycle (protocol/group.py), on several.
+    peer_stops: Callable[[], list[dict[str, Any]]] | None = None
     outcome: CycleOutcome = field(default_factory=lambda: CycleOutcome(exit_code=-1))
     stop: _Stop | None = None
     sigints: int = 0
@@ -104,6 +107,7 @@ class CycleWatch:
                 now = self.clock()
                 self._learn()
                 self._on_time(now, trigger_at)
+                self._on_peer_stop(now)
                 rc = self._follow_stop(now)
                 if rc is None and self.stop is None:
                     rc = self._check_hang(now)
@@ -169,6 +173,17 @@ class CycleWatch:
             if self.stop is None and self.interval_seq is None and self._connected() \
                     and self.store.completion() is None:  # none after training finished
                 self.interval_seq = self._trigger("checkpoint", "interval")
+
+    def _on_peer_stop(self, now: float) -> None:
+        """Another node's launcher was asked to stop (its pod's SIGTERM): every node
+        checkpoints, then stops, as after a SIGTERM here."""
+        if self.stop is not None or self.peer_stops is None:
+            return
+        asked = self.peer_stops()
+        if asked:
+            name = f"{asked[0].get('reason')} on node {asked[0].get('node')}"
+            self.outcome.stop_cause, self.outcome.stop_signal = StopCause.SIGNAL, name
+            self._begin_stop(name, now)
 
     def _learn(self) -> None:
         """Follow the journal: a measured checkpoint may change the period and the lead."""

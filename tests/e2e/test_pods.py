@@ -1,0 +1,108 @@
+"""Issue 29, the Kubernetes shape: a run that spans two nodes, each with its own ``procckpt run
+--nodes 2 --node-rank K`` around its own ``torchrun --nnodes 2 --node-rank K`` (what every pod
+of ``procckpt k8s --nodes 2`` runs), here two launchers on this machine, on loopback, sharing
+one checkpoint dir as the pods share a ReadWriteMany claim.
+
+The leader (node 0) stops the group at each --time-limit and restarts it; the follower starts
+its node's part of each cycle. Then the follower gets a SIGTERM, as a preempted pod would:
+both nodes checkpoint at one step and exit 75. Both launchers started again (new pods) resume,
+and the two ranks end bit-identical to an uninterrupted two-rank run. About 3 minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from procckpt.protocol.events import read_events
+
+from ..conftest import procckpt_argv
+from ..slurm_cluster import free_port
+from .test_torchrun import DDP, SHAPE, TORCHRUN, assert_same_run, uninterrupted
+
+pytestmark = [pytest.mark.slow]
+
+ARGS = [*SHAPE, "--sleep", "0.9"]
+
+
+def launchers(workdir: Path, ckpt: Path, out: Path, *extra: str) -> list[subprocess.Popen]:
+    """Node 0's and node 1's launcher, as two pods would start them."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--nodes", "2", "--node-rank",
+                str(node), *extra, "--", TORCHRUN, "--nnodes=2", f"--node-rank={node}",
+                "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
+                str(DDP), *ARGS, "--out", str(out)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("PROCCKPT_TOKEN", None)
+        log = (workdir / f"node{node}.log").open("a")
+        procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(1.0, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def logs(workdir: Path) -> str:
+    return "\n".join(f"--- node {n} ---\n{(workdir / f'node{n}.log').read_text()[-3000:]}"
+                     for n in (0, 1))
+
+
+def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
+        workdir: Path, tmp_path_factory: pytest.TempPathFactory):
+    reference = uninterrupted(tmp_path_factory.mktemp("pods-ref"), DDP, SHAPE, "reference")
+    ckpt, out = workdir / "ckpt", workdir / "resumed"
+    events_path = ckpt / "events.jsonl"
+
+    def events() -> list[dict]:
+        return list(read_events(events_path)) if events_path.exists() else []
+
+    procs = launchers(workdir, ckpt, out, "--time-limit", "24s", "--grace", "5s",
+                      "--max-restarts", "30")
+    # Once the leader restarted the group at its limit and the new cycle checkpointed,
+    # SIGTERM node 1's launcher, as Kubernetes does to a pod it takes away.
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        seen = events()
+        restarted = [e for e in seen if e["event"] == "restart" and e["cause"] == "deadline"]
+        if restarted and any(e["event"] == "resume" and e["time"] > restarted[0]["time"]
+                             for e in seen):
+            break
+        time.sleep(1)
+    assert all(p.poll() is None for p in procs), logs(workdir)
+    assert time.monotonic() < deadline, f"no restart at the time limit\n{logs(workdir)}"
+    time.sleep(3)
+    procs[1].send_signal(signal.SIGTERM)
+    codes = wait_all(procs, timeout=120)
+    assert codes == [75, 75], logs(workdir)
+    stops = [e for e in events() if e["event"] == "trigger" and e["action"] == "stop"]
+    assert stops[-1]["reason"] == "SIGTERM on node 1", stops
+    confirmed = [e for e in events() if e["event"] == "confirmed"]
+    assert confirmed and confirmed[-1]["checkpoint"], confirmed
+    # Every rank's state is in the checkpoint the stop left, node 1's too.
+    newest = ckpt / "checkpoints" / confirmed[-1]["checkpoint"]
+    assert (newest / "rank-00001.pt").is_file(), sorted(p.name for p in newest.iterdir())
+    node1 = (workdir / "node1.log").read_text()
+    assert "asking node 0 for a checkpoint, then a stop of every node" in node1
+
+    # New pods: both launchers again. Node 1 must not take node 0's old exit for its own.
+    codes = wait_all(launchers(workdir, ckpt, out), timeout=300)
+    assert codes == [0, 0], logs(workdir)
+    assert events()[-1]["event"] == "exit" and events()[-1]["reason"] == "finished"
+    assert "ChildFailedError" not in logs(workdir)
+    assert_same_run(reference, out)
