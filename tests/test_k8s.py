@@ -51,6 +51,8 @@ CONTAINER = {"args", "command", "env", "envFrom", "image", "imagePullPolicy", "l
              "terminationMessagePath", "terminationMessagePolicy", "tty", "volumeDevices",
              "volumeMounts", "workingDir"}
 ENV_VAR = {"name", "value", "valueFrom"}
+ENV_VAR_SOURCE = {"configMapKeyRef", "fieldRef", "resourceFieldRef", "secretKeyRef"}
+OBJECT_FIELD_SELECTOR = {"apiVersion", "fieldPath"}
 RESOURCES = {"claims", "limits", "requests"}
 VOLUME_MOUNT = {"mountPath", "mountPropagation", "name", "readOnly", "recursiveReadOnly",
                 "subPath", "subPathExpr"}
@@ -77,7 +79,8 @@ SCHEMA: Schema = (JOB, {
             "spec": (POD_SPEC, {
                 "nodeSelector": STRING_MAP,
                 "containers": (CONTAINER, {
-                    "env": (ENV_VAR, {}),
+                    "env": (ENV_VAR, {"valueFrom": (ENV_VAR_SOURCE, {
+                        "fieldRef": (OBJECT_FIELD_SELECTOR, {})})}),
                     "resources": (RESOURCES, {"limits": "quantity map",
                                               "requests": "quantity map"}),
                     "volumeMounts": (VOLUME_MOUNT, {}),
@@ -87,6 +90,17 @@ SCHEMA: Schema = (JOB, {
             }),
         }),
     }),
+})
+SERVICE = {"apiVersion", "kind", "metadata", "spec", "status"}
+SERVICE_SPEC = {"allocateLoadBalancerNodePorts", "clusterIP", "clusterIPs", "externalIPs",
+                "externalName", "externalTrafficPolicy", "healthCheckNodePort",
+                "internalTrafficPolicy", "ipFamilies", "ipFamilyPolicy", "loadBalancerClass",
+                "loadBalancerIP", "loadBalancerSourceRanges", "ports",
+                "publishNotReadyAddresses", "selector", "sessionAffinity",
+                "sessionAffinityConfig", "trafficDistribution", "type"}
+SERVICE_SCHEMA: Schema = (SERVICE, {
+    "metadata": (OBJECT_META, {"labels": STRING_MAP}),
+    "spec": (SERVICE_SPEC, {"selector": STRING_MAP}),
 })
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 
@@ -122,8 +136,14 @@ FULL = K8sJobSpec(
     queue="team-a", grace=120.0, max_restarts=50, time_limit=None, env={"NCCL_DEBUG": "WARN"},
     shm="32Gi")
 
+NODES = K8sJobSpec(
+    command=["torchrun", "--nproc-per-node", "8", "train.py"], image="ghcr.io/example/train:1.0",
+    pvc="shared-ckpts", name="gpt-4n", namespace="ml", gpus=8, grace=90.0, max_restarts=10,
+    nodes=4, shm="32Gi")
 
-@pytest.mark.parametrize("name,spec", [("k8s-minimal.yaml", MINIMAL), ("k8s-full.yaml", FULL)])
+
+@pytest.mark.parametrize("name,spec", [("k8s-minimal.yaml", MINIMAL), ("k8s-full.yaml", FULL),
+                                       ("k8s-nodes.yaml", NODES)])
 def test_manifest_matches_golden_file(name: str, spec: K8sJobSpec):
     text = render_manifest(spec)
     golden = GOLDEN / name
@@ -139,11 +159,43 @@ def test_manifest_matches_golden_file(name: str, spec: K8sJobSpec):
                     "intended (the next run writes it anew), then review and commit it.")
 
 
-@pytest.mark.parametrize("spec", [MINIMAL, FULL])
+@pytest.mark.parametrize("spec", [MINIMAL, FULL, NODES])
 def test_manifest_parses_and_names_only_real_job_fields(spec: K8sJobSpec):
-    doc = yaml.safe_load(render_manifest(spec))
+    docs = list(yaml.safe_load_all(render_manifest(spec)))
+    doc = docs[-1]
     assert doc["apiVersion"] == "batch/v1" and doc["kind"] == "Job"
     assert unknown_fields(doc, SCHEMA) == []
+    if spec.nodes > 1:
+        assert docs[0]["apiVersion"] == "v1" and docs[0]["kind"] == "Service"
+        assert unknown_fields(docs[0], SERVICE_SCHEMA) == []
+    else:
+        assert len(docs) == 1
+
+
+def test_several_nodes_get_an_indexed_job_whose_pods_find_node_0_by_name():
+    service, job = yaml.safe_load_all(render_manifest(NODES))
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == 4
+    assert spec["backoffLimit"] == 4 * 10  # a restart ends all 4 pods with 75
+    # The headless Service selects the pods, and names them NAME-K.SERVICE through subdomain.
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["metadata"]["namespace"] == job["metadata"]["namespace"] == "ml"
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert pod["subdomain"] == service["metadata"]["name"]
+    command = pod["containers"][0]["command"]
+    launcher, user = command[:command.index("--")], command[command.index("--") + 1:]
+    assert launcher[launcher.index("--nodes") + 1] == "4"
+    assert launcher[launcher.index("--node-rank") + 1] == "$(NODE_RANK)"
+    assert user[0] == "torchrun" and user[-3:] == ["--nproc-per-node", "8", "train.py"]
+    assert "--nnodes=4" in user and "--node-rank=$(NODE_RANK)" in user
+    assert f"--master-addr={job['metadata']['name']}-0.{service['metadata']['name']}" in user
+    # $(NODE_RANK) is expanded by the kubelet from the container's env: the pod's index.
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
 
 
 def test_schema_check_catches_a_misspelt_field():
@@ -210,6 +262,10 @@ def test_kueue_label_gpus_node_selector_and_pvc():
     ({"node_selector": {"gpu": "a b"}}, "bad --node-selector gpu value"),
     ({"time_limit": 30.0}, "must be longer than --grace"),
     ({"command": []}, "no command given"),
+    ({"nodes": 0}, "bad --nodes 0"),
+    ({"nodes": 2}, "--nodes runs torchrun on every pod, but the command is 'python'"),
+    ({"nodes": 2, "command": ["torchrun", "--nnodes=2", "t.py"]}, "drop --nnodes from"),
+    ({"nodes": 2, "command": ["torchrun", "--standalone", "t.py"]}, "drop --standalone from"),
 ])
 def test_bad_options_are_refused_with_what_to_do(change: dict, message: str):
     spec = K8sJobSpec(**{**MINIMAL.__dict__, **change})

@@ -268,6 +268,9 @@ def report(directory: str, output: str | None) -> None:
 @click.option("--time-limit", metavar="DURATION", help="Also restart inside the pod this often.")
 @click.option("--env", "env_", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
 @click.option("--shm", metavar="QUANTITY", help="Size of a memory-backed /dev/shm, e.g. 8Gi.")
+@click.option("--nodes", type=int, default=1, show_default=True,
+              help="Pods (nodes) the torchrun command spans: an Indexed Job and a headless "
+                   "Service; the claim must be ReadWriteMany.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
 def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str | None,
         node_selector: tuple[str, ...], env_: tuple[str, ...], **options: Any) -> None:
@@ -276,6 +279,8 @@ def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str 
     \b
     Example:
         procckpt k8s --image ghcr.io/me/train:1 --pvc ckpts --gpus 8 --queue team-a \\
+            -- torchrun --nproc-per-node 8 train.py | kubectl apply -f -
+        procckpt k8s --image ghcr.io/me/train:1 --pvc shared-ckpts --gpus 8 --nodes 4 \\
             -- torchrun --nproc-per-node 8 train.py | kubectl apply -f -
     """
     from .durations import parse_duration

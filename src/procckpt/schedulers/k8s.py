@@ -20,6 +20,13 @@ How the Job maps procckpt's contract onto Kubernetes:
                                                  retry a new pod, scheduled anywhere
     PVC mounted at --mount-path                  the checkpoint dir survives the pod
 
+With ``--nodes N`` (N > 1) the Job is Indexed, N pods at once, and a headless Service gives pod
+K the name ``NAME-K.NAME``. Every pod runs ``procckpt run --nodes N --node-rank K`` around
+``torchrun --nnodes N --node-rank K --master-addr NAME-0.NAME``: node 0's launcher leads the
+cycles, the others follow them (launcher/follower.py), and a SIGTERM to any pod checkpoints every
+node. Each restart then ends N pods with 75, so backoffLimit is N times --max-restarts. The
+checkpoint dir's claim must be ReadWriteMany: every pod mounts it.
+
 Because podFailurePolicy is set, Kubernetes starts a replacement pod only once the old one has
 fully terminated (podReplacementPolicy defaults to Failed), so two pods never write the
 checkpoint dir at once. ``procckpt run`` as PID 1 handles the signals it needs and reaps
@@ -38,13 +45,23 @@ import yaml
 
 from ..errors import EX_TEMPFAIL, UsageError
 
-__all__ = ["K8sJobSpec", "job_manifest", "render_manifest", "EXIT_MARGIN", "CONTAINER"]
+__all__ = ["K8sJobSpec", "job_manifest", "service_manifest", "render_manifest", "EXIT_MARGIN",
+           "CONTAINER", "NODE_RANK_ENV"]
 
 CONTAINER = "train"
 KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 #: Seconds past --grace before the kubelet's SIGKILL: after the checkpoint is confirmed the
 #: launcher gives the command up to 15 s to exit (supervisor.EXIT_AFTER_CONFIRM), then stops it.
 EXIT_MARGIN = 30
+#: On several nodes: the pod's index in the Indexed Job, in the container's environment (the
+#: command refers to it as $(NODE_RANK), which the kubelet expands).
+NODE_RANK_ENV = "NODE_RANK"
+COMPLETION_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+MASTER_PORT = 29500
+#: torchrun options that --nodes sets; a command that sets them itself is refused.
+_TORCHRUN_GROUP_OPTIONS = ("--nnodes", "--node-rank", "--node_rank", "--master-addr",
+                           "--master_addr", "--master-port", "--master_port", "--rdzv-backend",
+                           "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--standalone")
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -76,6 +93,7 @@ class K8sJobSpec:
     time_limit: float | None = None
     env: dict[str, str] = field(default_factory=dict)
     shm: str | None = None
+    nodes: int = 1
 
     @property
     def checkpoint_dir(self) -> str:
@@ -127,6 +145,10 @@ class K8sJobSpec:
             raise UsageError("--grace must be positive")
         if self.max_restarts < 0:
             raise UsageError("--max-restarts must be 0 or more")
+        if self.nodes < 1:
+            raise UsageError(f"bad --nodes {self.nodes}: must be 1 or more")
+        if self.nodes > 1:
+            check_group_command(self.command)
         if self.time_limit is not None and self.time_limit <= self.grace:
             raise UsageError(f"--time-limit ({self.time_limit:g}s) must be longer than --grace "
                              f"({self.grace:g}s)")
@@ -146,6 +168,19 @@ def check_label_value(value: str, what: str) -> None:
                          "'.', starting and ending with a letter or digit")
 
 
+def check_group_command(command: list[str]) -> None:
+    """--nodes starts torchrun on every pod and sets its group options itself."""
+    if not command or command[0].rsplit("/", 1)[-1] != "torchrun":
+        raise UsageError(f"--nodes runs torchrun on every pod, but the command is {command[0]!r}"
+                         if command else "no command given")
+    for arg in command[1:]:
+        name = arg.split("=", 1)[0]
+        if name in _TORCHRUN_GROUP_OPTIONS:
+            raise UsageError(f"drop {name} from the torchrun command: with --nodes, procckpt k8s "
+                             "sets the group options (--nnodes, --node-rank, --master-addr) "
+                             "itself")
+
+
 def _seconds(value: float) -> str:
     return f"{value:g}s"
 
@@ -155,7 +190,13 @@ def inner_command(spec: K8sJobSpec) -> list[str]:
     argv = ["procckpt", "run", "--dir", spec.checkpoint_dir, "--grace", _seconds(spec.grace)]
     if spec.time_limit is not None:
         argv += ["--time-limit", _seconds(spec.time_limit)]
-    return [*argv, "--", *spec.command]
+    if spec.nodes == 1:
+        return [*argv, "--", *spec.command]
+    rank = f"$({NODE_RANK_ENV})"
+    group = [f"--nnodes={spec.nodes}", f"--node-rank={rank}",
+             f"--master-addr={spec.name}-0.{spec.name}", f"--master-port={MASTER_PORT}"]
+    return [*argv, "--nodes", str(spec.nodes), "--node-rank", rank, "--",
+            spec.command[0], *group, *spec.command[1:]]
 
 
 def job_manifest(spec: K8sJobSpec) -> dict[str, Any]:
@@ -185,7 +226,10 @@ def job_manifest(spec: K8sJobSpec) -> dict[str, Any]:
     if limits:
         resources["limits"] = limits
 
-    env = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    env: list[dict[str, Any]] = [{"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if spec.nodes > 1:
+        env.append({"name": NODE_RANK_ENV,
+                    "valueFrom": {"fieldRef": {"fieldPath": COMPLETION_INDEX}}})
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
     mounts: list[dict[str, Any]] = [{"name": "checkpoints", "mountPath": spec.mount_path}]
     volumes: list[dict[str, Any]] = [
@@ -210,16 +254,20 @@ def job_manifest(spec: K8sJobSpec) -> dict[str, Any]:
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": math.ceil(spec.grace) + EXIT_MARGIN,
     }
+    if spec.nodes > 1:
+        pod_spec["subdomain"] = spec.name  # pod K resolves as NAME-K.NAME (the Service below)
     if spec.node_selector:
         pod_spec["nodeSelector"] = dict(sorted(spec.node_selector.items()))
     pod_spec["containers"] = [container]
     pod_spec["volumes"] = volumes
 
     job_spec: dict[str, Any] = {
-        "backoffLimit": spec.max_restarts,
-        "completions": 1,
-        "parallelism": 1,
+        "backoffLimit": spec.max_restarts * spec.nodes,  # each restart ends every pod with 75
+        "completions": spec.nodes,
+        "parallelism": spec.nodes,
     }
+    if spec.nodes > 1:
+        job_spec["completionMode"] = "Indexed"
     if spec.queue:
         job_spec["suspend"] = True  # Kueue admits (unsuspends) it when the queue has quota
     job_spec["podFailurePolicy"] = {"rules": [
@@ -233,10 +281,26 @@ def job_manifest(spec: K8sJobSpec) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata, "spec": job_spec}
 
 
+def service_manifest(spec: K8sJobSpec) -> dict[str, Any]:
+    """The headless Service that gives each pod of a --nodes Job its DNS name; its addresses
+    are published before the pods are ready, since torchrun needs them to become so."""
+    metadata: dict[str, Any] = {"name": spec.name}
+    if spec.namespace:
+        metadata["namespace"] = spec.namespace
+    metadata["labels"] = {"app.kubernetes.io/name": spec.name,
+                          "app.kubernetes.io/managed-by": "procckpt"}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata,
+            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
+                     "selector": {"app.kubernetes.io/name": spec.name}}}
+
+
 def render_manifest(spec: K8sJobSpec) -> str:
     """The manifest as YAML, with a header saying how it was made and how to use it."""
     manifest = job_manifest(spec)
     body = yaml.safe_dump(manifest, sort_keys=False, default_flow_style=False, width=100)
+    if spec.nodes > 1:
+        body = yaml.safe_dump(service_manifest(spec), sort_keys=False,
+                              default_flow_style=False, width=100) + "---\n" + body
     header = (
         f"# Generated by procckpt k8s for: {shlex.join(spec.command)}\n"
         f"# SIGTERM -> checkpoint within {spec.grace:g}s -> exit {EX_TEMPFAIL} -> a new pod "
@@ -244,4 +308,7 @@ def render_manifest(spec: K8sJobSpec) -> str:
         f"# kubectl apply -f THIS_FILE; procckpt status {spec.checkpoint_dir} (in a pod with "
         "the claim mounted)\n"
     )
+    if spec.nodes > 1:
+        header += (f"# {spec.nodes} pods, one per node, share the claim {spec.pvc}: it must be "
+                   "ReadWriteMany. Pod 0 leads; a SIGTERM to any pod checkpoints them all.\n")
     return header + body
