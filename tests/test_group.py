@@ -12,6 +12,7 @@ from pathlib import Path
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.follower import Follower
 from procckpt.launcher.results import ExitReason
+from procckpt.protocol.events import read_events
 from procckpt.protocol import group
 from procckpt.store import CheckpointStore
 
@@ -144,3 +145,66 @@ def test_the_leader_says_what_runs_and_stops_every_node_when_a_follower_asks(tmp
     assert result.exit_code == 75
     final = group.read_leader(control)
     assert final["state"] == group.EXITED and final["code"] == 75
+
+
+def test_a_follower_says_it_lives_every_two_seconds_while_it_waits_and_runs(tmp_path: Path):
+    board = group.LeaderBoard(tmp_path / "ckpt" / "control", nodes=2)
+    seen: list[object] = []
+
+    def look() -> None:
+        seen.append(group.read_beats(board.dir).get(1))
+
+    follow(tmp_path, {
+        **{t + 0.25: look for t in range(1, 40, 2)},
+        5: lambda: board.running("t1", 1, {"PROCCKPT_TOKEN": "t1"}),
+        40: lambda: board.exited(0, "training finished"),
+    }, exits_at=20)
+    # A new beat at every look (2 s apart), before the cycle, during it and after it.
+    assert None not in seen and len(set(seen)) == len(seen) == 20, seen
+
+
+def test_the_leader_takes_a_silent_follower_for_a_lost_node_and_a_beating_one_for_alive(
+        tmp_path: Path):
+    control = tmp_path / "ckpt" / "control"
+    CheckpointStore(tmp_path / "ckpt").open()
+    clock = [0.0]
+    beating = [True]
+
+    def sleep(seconds: float) -> None:
+        before = clock[0]
+        clock[0] += seconds
+        if beating[0] and int(clock[0] / 2) != int(before / 2):  # a beat every 2 s
+            group.beat(control, 1, int(clock[0]))
+
+    board = group.LeaderBoard(control, nodes=3, clock=lambda: clock[0], sleep=sleep)
+    group.beat(control, 1, 0)
+    group.beat(control, 2, 0)  # an old beat: node 2's launcher is gone
+    lost = board.silent_nodes()
+    assert [(n.node, n.seconds) for n in lost] == [(2, 15.0)]
+    assert str(lost[0]) == "node 2 (its launcher has not been heard from for 15s)"
+    assert clock[0] == 15.0  # it waited for the silence, not longer
+    # Asked again later: node 1 still beats, node 2 is still silent; no new wait for node 1.
+    assert [n.node for n in board.silent_nodes()] == [2]
+    beating[0] = False
+    clock[0] += 3  # node 1 late: wait for its beat or its silence
+    assert [n.node for n in board.silent_nodes()] == [1, 2]
+
+
+def test_a_failure_while_a_follower_is_silent_is_a_lost_node_and_checkpointed_exit(
+        tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(exits_at=20, code=1)], time_limit=None,
+                                 interval=None, nodes_count=2)
+    assert result.exit_code == 75 and result.reason is ExitReason.CHECKPOINTED
+    assert "lost node 1 (its launcher has not been heard from for 15s)" in result.message
+    lost = [e for e in read_events(world.store.events_path) if e["event"] == "node-lost"]
+    assert lost and lost[0]["nodes"] == ["node 1 (its launcher has not been heard from for 15s)"]
+    assert group.read_leader(world.store.control_dir)["code"] == 75  # the followers exit so
+
+
+def test_a_failure_while_every_follower_beats_is_the_scripts_own(tmp_path: Path):
+    control = tmp_path / "ckpt" / "control"
+    beats = {float(t): (lambda t=t: group.beat(control, 1, t)) for t in range(0, 80, 2)}
+    world, result, _ = supervise(tmp_path, [Cycle(exits_at=20, code=1)], time_limit=None,
+                                 interval=None, nodes_count=2, at=beats)
+    assert result.exit_code == 1 and result.reason is ExitReason.FAILED, result.message
+    assert "node-lost" not in [e["event"] for e in read_events(world.store.events_path)]

@@ -17,6 +17,7 @@ from procckpt.launcher.deadline import LocalDeadline, NoDeadline
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.interval import FIRST_AUTO_MAX, young_daly
 from procckpt.protocol.control import Heartbeat
+from procckpt.protocol.group import LeaderBoard
 from procckpt.protocol.events import append_event
 from procckpt.protocol.events import read_events
 from procckpt.launcher.restart import Decision, LocalRestart, Verdict
@@ -217,6 +218,9 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
                             policy, clock=lambda: world.now,
                             child_factory=lambda argv, env: FakeChild(world, argv, env),
                             wait_signals=wait, stack_dumper=world.dumped.append)
+    if nodes_count > 1:  # its wait for the followers' beats on the same fake clock
+        supervisor.board = LeaderBoard(store.control_dir, nodes_count, clock=lambda: world.now,
+                                       sleep=wait)
     started = time.perf_counter()
     result = supervisor.run()
     return world, result, time.perf_counter() - started

@@ -6,7 +6,10 @@ one checkpoint dir as the pods share a ReadWriteMany claim.
 The leader (node 0) stops the group at each --time-limit and restarts it; the follower starts
 its node's part of each cycle. Then the follower gets a SIGTERM, as a preempted pod would:
 both nodes checkpoint at one step and exit 75. Both launchers started again (new pods) resume,
-and the two ranks end bit-identical to an uninterrupted two-rank run. About 3 minutes.
+and the two ranks end bit-identical to an uninterrupted two-rank run. Then the same run loses
+node 1 mid-cycle (every process of it killed, as when its machine dies): node 0 tells the lost
+node from a bug in the script, exits 75 (a retry for Kubernetes), and the new pods resume from
+the periodic checkpoint, bit-identical. About 4 minutes.
 """
 
 from __future__ import annotations
@@ -63,9 +66,41 @@ def logs(workdir: Path) -> str:
                      for n in (0, 1))
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return uninterrupted(tmp_path_factory.mktemp("pods-ref"), DDP, SHAPE, "reference")
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun and its workers start sessions of their
+    own, so a process group does not hold them all)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def kill_node(launcher: subprocess.Popen) -> None:
+    """Every process of a node at once, as when its machine dies: frozen first, so that none
+    sees another die, then killed."""
+    pids = descendants(launcher.pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    for pid in descendants(launcher.pid):  # what started meanwhile too
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait()
+
+
 def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
-        workdir: Path, tmp_path_factory: pytest.TempPathFactory):
-    reference = uninterrupted(tmp_path_factory.mktemp("pods-ref"), DDP, SHAPE, "reference")
+        workdir: Path, reference: Path):
     ckpt, out = workdir / "ckpt", workdir / "resumed"
     events_path = ckpt / "events.jsonl"
 
@@ -105,4 +140,43 @@ def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
     assert codes == [0, 0], logs(workdir)
     assert events()[-1]["event"] == "exit" and events()[-1]["reason"] == "finished"
     assert "ChildFailedError" not in logs(workdir)
+    assert_same_run(reference, out)
+
+
+def test_a_node_lost_mid_run_is_told_from_a_bug_and_the_run_resumes_from_its_periodic_checkpoint(
+        workdir: Path, reference: Path):
+    ckpt, out = workdir / "ckpt", workdir / "resumed"
+    events_path = ckpt / "events.jsonl"
+
+    def events() -> list[dict]:
+        return list(read_events(events_path)) if events_path.exists() else []
+
+    procs = launchers(workdir, ckpt, out, "--interval", "8s", "--max-restarts", "5")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        if any(e["event"] == "checkpoint" for e in events()):
+            break
+        time.sleep(0.5)
+    assert all(p.poll() is None for p in procs), logs(workdir)
+    assert time.monotonic() < deadline, f"no periodic checkpoint\n{logs(workdir)}"
+    time.sleep(3)
+    kill_node(procs[1])
+    lost_at = time.time()
+    assert wait_all(procs[:1], timeout=90) == [75], logs(workdir)
+    seen = events()
+    lost = [e for e in seen if e["event"] == "node-lost"]
+    assert len(lost) == 1 and lost[0]["nodes"][0].startswith("node 1 ("), lost
+    assert lost[0]["time"] - lost_at < 40, "the loss took too long to be told"
+    assert seen[-1]["event"] == "exit" and seen[-1]["code"] == 75, seen[-1]
+    newest = [e for e in seen if e["event"] == "checkpoint"][-1]
+    status = subprocess.run([*procckpt_argv(), "status", str(ckpt)], capture_output=True,
+                            text=True, timeout=60)
+    assert "last node lost: node 1 (its launcher has not been heard from" in status.stdout, \
+        status.stdout
+
+    codes = wait_all(launchers(workdir, ckpt, out), timeout=300)
+    assert codes == [0, 0], logs(workdir)
+    resumes = [e for e in events() if e["event"] == "resume" and e["time"] > lost_at]
+    assert resumes and resumes[0]["checkpoint"] == newest["checkpoint"], (resumes, newest)
+    assert events()[-1]["event"] == "exit" and events()[-1]["reason"] == "finished"
     assert_same_run(reference, out)

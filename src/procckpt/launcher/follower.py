@@ -6,7 +6,8 @@ checkpoints, decides on restarts. A follower only mirrors its cycles: it starts 
 with the environment of the cycle the leader runs, so that its ranks join the same checkpoint
 requests; it stops the command if it outlives the cycle; and it exits when the leader exits,
 with the leader's code. A stop signal here (the pod's SIGTERM) becomes a request to the leader:
-every node checkpoints, then stops.
+every node checkpoints, then stops. Every 2 s it says it lives, so that the leader can tell a
+rank that failed because this node vanished from one that failed by itself.
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class Follower:
         #: The signal that asked this node to stop, once one did.
         self.stopped_by: str | None = None
         self.cycles = 0
+        self._beats = 0
+        self._last_beat: float | None = None
+        self._beat_failed = False
 
     def run(self) -> RunResult:
         if self._wait is not None:
@@ -83,6 +87,7 @@ class Follower:
                     self.config.nodes, self.store.control_dir)
         waiting_since = self._clock()
         while True:
+            self._beat()
             if self.store.completion():
                 return self._exit(0, ExitReason.FINISHED, "training finished")
             leader = group.read_leader(self.store.control_dir)
@@ -124,6 +129,7 @@ class Follower:
                     " ".join(self.config.command), child.pid)
         over_at: float | None = None  # when the leader's cycle was seen to be over
         while True:
+            self._beat()
             for signum in self._wait(LOOK_EVERY):  # type: ignore[misc]
                 self._on_signal(signum, child, token)
             rc = child.poll()
@@ -144,6 +150,24 @@ class Follower:
                                format_duration(now - over_at))
                 child.stop(term_timeout=self.config.term_timeout)
                 return
+
+    def _beat(self) -> None:
+        """Say that this node lives, every :data:`group.BEAT_EVERY` seconds."""
+        now = self._clock()
+        if self._last_beat is not None and now - self._last_beat < group.BEAT_EVERY:
+            return
+        self._last_beat = now
+        self._beats += 1
+        try:
+            group.beat(self.store.control_dir, self.node, self._beats)
+        except OSError as e:
+            if not self._beat_failed:  # once: it is retried every beat
+                logger.warning("node %d: cannot write its beat in %s (%s): node 0 will take "
+                               "this node for lost if its command fails", self.node,
+                               self.store.control_dir, e.strerror or e)
+            self._beat_failed = True
+        else:
+            self._beat_failed = False
 
     def _on_signal(self, signum: int, child: Child | None, token: str | None) -> None:
         action = self._actions.get(signum)

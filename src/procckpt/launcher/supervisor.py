@@ -225,8 +225,16 @@ class Supervisor:
         if outcome.finished or outcome.confirmed is not None or outcome.forwarded:
             return []
         if outcome.hung or outcome.stop_cause is not None or outcome.exit_code not in (0, EX_IOERR):
-            return list(self.policy.lost_nodes())
+            return self._find_lost_nodes()
         return []
+
+    def _find_lost_nodes(self) -> list[object]:
+        """The scheduler's lost nodes; on several nodes with a launcher each, also the nodes
+        whose launcher went silent."""
+        lost = list(self.policy.lost_nodes())
+        if self.board is not None:
+            lost += self.board.silent_nodes()
+        return lost
 
     def _after_node_loss(self, lost: list[object], restarts: int) -> RunResult:
         """A node of the job is gone: the work since the newest checkpoint is lost with it;
@@ -389,7 +397,7 @@ class Supervisor:
                            self._wait,  # type: ignore[arg-type]
                            term_timeout=self.config.term_timeout,
                            reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks,
-                           lost_nodes=self.policy.lost_nodes,
+                           lost_nodes=self._find_lost_nodes,
                            peer_stops=self.board.stop_requests if self.board else None)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)

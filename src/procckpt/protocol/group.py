@@ -13,6 +13,12 @@ SIGTERM) asks the leader for a checkpoint, then a stop of every node.
       state: running | between | exited             the cycle is no longer running
                                                 <-  control/stop-K.json {token, node, reason}
     checkpoint, then stop: as after a SIGTERM
+                                                <-  control/node-K.json {seq, ...}, a new seq
+    after a failure, a node whose seq stands           every 2 s while its launcher lives
+      still is lost (its pod, its machine)
+
+A rank whose peer node vanished fails with a connection error, like a bug in the script; the
+beats tell the two apart: a follower's launcher dies with its node.
 
 ``launch`` names one start of the leader (a new pod, a rerun): a follower started after a
 leader exited must not take that old exit for its own. The files live in the checkpoint dir's
@@ -23,27 +29,38 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .control import _opened_dir, _read_in, _write_in
 
-__all__ = ["LEADER_FILE", "RUNNING", "BETWEEN", "EXITED", "LeaderBoard", "read_leader",
-           "ask_stop", "stop_requests"]
+__all__ = ["LEADER_FILE", "RUNNING", "BETWEEN", "EXITED", "LeaderBoard", "SilentNode",
+           "read_leader", "ask_stop", "stop_requests", "beat", "read_beats", "BEAT_EVERY",
+           "NODE_SILENT"]
 
 LEADER_FILE = "leader.json"
 STOP_PREFIX = "stop-"
+NODE_PREFIX = "node-"
+
+#: How often a follower's launcher says it lives, and how long a silence means its node is
+#: gone: several beats, so that a slow shared file system is not taken for a lost node.
+BEAT_EVERY = 2.0
+NODE_SILENT = 15.0
+LOOK_EVERY = 0.5
 
 RUNNING = "running"  # the cycle ``token`` runs
 BETWEEN = "between"  # the cycle ended; another may follow
 EXITED = "exited"  # the leader is gone, with exit ``code``
 
 
-def _write(control_dir: Path, name: str, info: dict[str, Any]) -> None:
+def _write(control_dir: Path, name: str, info: dict[str, Any], durable: bool = True) -> None:
     with _opened_dir(control_dir) as fd:
-        _write_in(fd, name, json.dumps(info).encode(), durable=True)
+        _write_in(fd, name, json.dumps(info).encode(), durable=durable)
 
 
 def _read(control_dir: Path, name: str) -> dict[str, Any] | None:
@@ -55,14 +72,35 @@ def _read(control_dir: Path, name: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-class LeaderBoard:
-    """The leader's side: says what it runs."""
+@dataclass(frozen=True)
+class SilentNode:
+    """A follower whose launcher went silent: its node (pod, machine) is taken for lost."""
 
-    def __init__(self, control_dir: Path, nodes: int) -> None:
+    node: int
+    seconds: float
+
+    def __str__(self) -> str:
+        return (f"node {self.node} (its launcher has not been heard from for "
+                f"{self.seconds:.0f}s)")
+
+
+class LeaderBoard:
+    """The leader's side: says what it runs, and hears whether the followers live.
+
+    ``clock`` and ``sleep`` are seams for unit tests.
+    """
+
+    def __init__(self, control_dir: Path, nodes: int, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.dir = control_dir
         self.nodes = nodes
         self.launch = uuid.uuid4().hex
         self.token: str | None = None
+        self._clock, self._sleep = clock, sleep
+        #: Each follower's last beat seen, when (this clock) it was new, and whether it was seen
+        #: to change (a beat seen once may be an old one).
+        self._heard: dict[int, tuple[Any, float, bool]] = {}
 
     def _say(self, state: str, **fields: Any) -> None:
         _write(self.dir, LEADER_FILE, {"launch": self.launch, "nodes": self.nodes,
@@ -83,6 +121,31 @@ class LeaderBoard:
         """What followers asked of the running cycle (:func:`ask_stop`), by node."""
         return stop_requests(self.dir, self.token) if self.token else []
 
+    def silent_nodes(self, silence: float = NODE_SILENT) -> list[SilentNode]:
+        """The followers whose launcher has not beaten for ``silence`` seconds: asked after
+        the command failed or hung. Waits (at most ``silence``) until each follower has
+        either beaten since the last look or stayed silent that long."""
+        while True:
+            now = self._clock()
+            beats = read_beats(self.dir)
+            silent, unsure = [], False
+            for node in range(1, self.nodes):
+                seq = beats.get(node)
+                last = self._heard.get(node)
+                if last is None:  # a beat seen for the first time may be an old one
+                    self._heard[node] = last = (seq, now, False)
+                elif last[0] != seq:
+                    self._heard[node] = last = (seq, now, True)
+                _, since, moved = last
+                quiet = now - since
+                if quiet >= silence:
+                    silent.append(SilentNode(node, quiet))
+                elif not moved or quiet >= 1.5 * BEAT_EVERY:
+                    unsure = True  # wait for its next beat, or for the silence
+            if not unsure:
+                return silent
+            self._sleep(LOOK_EVERY)
+
 
 def read_leader(control_dir: Path) -> dict[str, Any] | None:
     """What the leader said last, or None if it said nothing (yet) or it cannot be read."""
@@ -97,6 +160,30 @@ def ask_stop(control_dir: Path, token: str, node: int, reason: str) -> None:
     _write(control_dir, f"{STOP_PREFIX}{node}.json",
            {"token": token, "node": node, "reason": reason, "pid": os.getpid(),
             "time": time.time()})
+
+
+def beat(control_dir: Path, node: int, seq: int) -> None:
+    """A follower's launcher says it lives (``seq`` counts up); not synced: only the beats'
+    coming matters, and a lost one is replaced 2 s later."""
+    _write(control_dir, f"{NODE_PREFIX}{node}.json",
+           {"node": node, "seq": seq, "pid": os.getpid(), "host": socket.gethostname(),
+            "time": time.time()}, durable=False)
+
+
+def read_beats(control_dir: Path) -> dict[int, Any]:
+    """Each follower's newest beat (its ``seq``), by node."""
+    try:
+        with _opened_dir(control_dir) as fd:
+            names = [n for n in os.listdir(fd) if n.startswith(NODE_PREFIX)
+                     and n.endswith(".json")]
+    except OSError:
+        return {}
+    beats: dict[int, Any] = {}
+    for name in names:
+        info = _read(control_dir, name)
+        if info is not None and isinstance(info.get("node"), int):
+            beats[info["node"]] = (info.get("pid"), info.get("seq"))
+    return beats
 
 
 def stop_requests(control_dir: Path, token: str) -> list[dict[str, Any]]:
