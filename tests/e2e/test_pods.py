@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,12 @@ def launchers(workdir: Path, ckpt: Path, out: Path, *extra: str) -> list[subproc
         procs.append(subprocess.Popen(argv, cwd=workdir, env=env, stdout=log,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     return procs
+
+
+def journal(ckpt: Path) -> Callable[[], list[dict]]:
+    """The run's events as they are now, each time it is called ([] before the dir exists)."""
+    path = ckpt / "events.jsonl"
+    return lambda: list(read_events(path)) if path.exists() else []
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[int]:
@@ -102,11 +109,7 @@ def kill_node(launcher: subprocess.Popen) -> None:
 def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
         workdir: Path, reference: Path):
     ckpt, out = workdir / "ckpt", workdir / "resumed"
-    events_path = ckpt / "events.jsonl"
-
-    def events() -> list[dict]:
-        return list(read_events(events_path)) if events_path.exists() else []
-
+    events = journal(ckpt)
     procs = launchers(workdir, ckpt, out, "--time-limit", "24s", "--grace", "5s",
                       "--max-restarts", "30")
     # Once the leader restarted the group at its limit and the new cycle checkpointed,
@@ -146,11 +149,7 @@ def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
 def test_a_node_lost_mid_run_is_told_from_a_bug_and_the_run_resumes_from_its_periodic_checkpoint(
         workdir: Path, reference: Path):
     ckpt, out = workdir / "ckpt", workdir / "resumed"
-    events_path = ckpt / "events.jsonl"
-
-    def events() -> list[dict]:
-        return list(read_events(events_path)) if events_path.exists() else []
-
+    events = journal(ckpt)
     procs = launchers(workdir, ckpt, out, "--interval", "8s", "--max-restarts", "5")
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):

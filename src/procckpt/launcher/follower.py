@@ -90,19 +90,17 @@ class Follower:
             self._beat()
             if self.store.completion():
                 return self._exit(0, ExitReason.FINISHED, "training finished")
-            leader = group.read_leader(self.store.control_dir)
-            state = leader.get("state") if leader else None
-            if leader is not None and state in (group.RUNNING, group.BETWEEN):
+            leader = group.read_leader(self.store.control_dir) or {}
+            state = leader.get("state")
+            if state in (group.RUNNING, group.BETWEEN):
                 self._launches.add(str(leader.get("launch")))
-            if state == group.RUNNING and leader is not None \
-                    and leader.get("token") not in self._ran:
+            if state == group.RUNNING and leader.get("token") not in self._ran:
                 if self.stopped_by is not None:
                     return self._stopped()
                 self._run_cycle(leader)
                 waiting_since = self._clock()
                 continue
-            if state == group.EXITED and leader is not None \
-                    and str(leader.get("launch")) in self._launches:
+            if state == group.EXITED and str(leader.get("launch")) in self._launches:
                 return self._leader_exited(leader)
             if self.stopped_by is not None and state != group.RUNNING:
                 return self._stopped()

@@ -149,6 +149,35 @@ def _write_in(dir_fd: int, name: str, data: bytes, durable: bool) -> None:
         os.fsync(dir_fd)
 
 
+def write_json(path: Path, name: str, info: dict[str, Any], durable: bool = True) -> None:
+    """Replace ``name`` in directory ``path`` with ``info`` as JSON, without following links."""
+    with _opened_dir(path) as fd:
+        _write_in(fd, name, json.dumps(info).encode(), durable)
+
+
+def read_json(path: Path, name: str) -> dict[str, Any] | None:
+    """The JSON object in ``name`` in directory ``path``; None when it is missing, not a
+    regular file, or not an object."""
+    try:
+        with _opened_dir(path) as fd:
+            data = json.loads(_read_in(fd, name))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_json_files(path: Path, prefix: str) -> list[dict[str, Any]]:
+    """The JSON objects in the files ``PREFIX*.json`` of directory ``path``, by name."""
+    try:
+        with _opened_dir(path) as fd:
+            names = sorted(n for n in os.listdir(fd)
+                           if n.startswith(prefix) and n.endswith(".json"))
+    except OSError:
+        return []
+    found = (read_json(path, name) for name in names)
+    return [data for data in found if data is not None]
+
+
 class ControlChannel:
     """Both ends of the protocol over one ``control/`` directory."""
 
@@ -165,16 +194,10 @@ class ControlChannel:
 
     # files, each reached through the directory opened without following a link -------------
     def _write(self, name: str, info: dict[str, Any], durable: bool = True) -> None:
-        with _opened_dir(self.dir) as fd:
-            _write_in(fd, name, json.dumps(info).encode(), durable)
+        write_json(self.dir, name, info, durable)
 
     def _read_json(self, name: str) -> dict[str, Any] | None:
-        try:
-            with _opened_dir(self.dir) as fd:
-                data = json.loads(_read_in(fd, name))
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
+        return read_json(self.dir, name)
 
     def _changed(self, name: str, seen: tuple[int, int] | None) -> tuple[int, int] | None:
         """The (inode, mtime) of ``name`` when it differs from ``seen`` (a ``stat`` of the
@@ -225,14 +248,8 @@ class ControlChannel:
     def failures(self) -> list[dict[str, Any]]:
         """What the ranks of this cycle that ended in an exception said (:meth:`report_failure`),
         by rank."""
-        try:
-            with _opened_dir(self.dir) as fd:
-                names = sorted(n for n in os.listdir(fd)
-                               if n.startswith(FAILURE_PREFIX) and n.endswith(".json"))
-        except OSError:
-            return []
-        found = (self._read_json(name) for name in names)
-        return [f for f in found if f is not None and f.get("token") == self.token]
+        return [f for f in read_json_files(self.dir, FAILURE_PREFIX)
+                if f.get("token") == self.token]
 
     def clear(self) -> None:
         try:

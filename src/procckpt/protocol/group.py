@@ -27,7 +27,6 @@ leader exited must not take that old exit for its own. The files live in the che
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import time
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .control import _opened_dir, _read_in, _write_in
+from .control import read_json, read_json_files, write_json
 
 __all__ = ["LEADER_FILE", "RUNNING", "BETWEEN", "EXITED", "LeaderBoard", "SilentNode",
            "read_leader", "ask_stop", "stop_requests", "beat", "read_beats", "BEAT_EVERY",
@@ -56,20 +55,6 @@ LOOK_EVERY = 0.5
 RUNNING = "running"  # the cycle ``token`` runs
 BETWEEN = "between"  # the cycle ended; another may follow
 EXITED = "exited"  # the leader is gone, with exit ``code``
-
-
-def _write(control_dir: Path, name: str, info: dict[str, Any], durable: bool = True) -> None:
-    with _opened_dir(control_dir) as fd:
-        _write_in(fd, name, json.dumps(info).encode(), durable=durable)
-
-
-def _read(control_dir: Path, name: str) -> dict[str, Any] | None:
-    try:
-        with _opened_dir(control_dir) as fd:
-            data = json.loads(_read_in(fd, name))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 @dataclass(frozen=True)
@@ -103,7 +88,7 @@ class LeaderBoard:
         self._heard: dict[int, tuple[Any, float, bool]] = {}
 
     def _say(self, state: str, **fields: Any) -> None:
-        _write(self.dir, LEADER_FILE, {"launch": self.launch, "nodes": self.nodes,
+        write_json(self.dir, LEADER_FILE, {"launch": self.launch, "nodes": self.nodes,
                                        "state": state, "token": self.token,
                                        "time": time.time(), **fields})
 
@@ -149,7 +134,7 @@ class LeaderBoard:
 
 def read_leader(control_dir: Path) -> dict[str, Any] | None:
     """What the leader said last, or None if it said nothing (yet) or it cannot be read."""
-    info = _read(control_dir, LEADER_FILE)
+    info = read_json(control_dir, LEADER_FILE)
     if info is None or info.get("state") not in (RUNNING, BETWEEN, EXITED):
         return None
     return info
@@ -157,7 +142,7 @@ def read_leader(control_dir: Path) -> dict[str, Any] | None:
 
 def ask_stop(control_dir: Path, token: str, node: int, reason: str) -> None:
     """A follower asks the leader to checkpoint cycle ``token``, then stop it on every node."""
-    _write(control_dir, f"{STOP_PREFIX}{node}.json",
+    write_json(control_dir, f"{STOP_PREFIX}{node}.json",
            {"token": token, "node": node, "reason": reason, "pid": os.getpid(),
             "time": time.time()})
 
@@ -165,33 +150,18 @@ def ask_stop(control_dir: Path, token: str, node: int, reason: str) -> None:
 def beat(control_dir: Path, node: int, seq: int) -> None:
     """A follower's launcher says it lives (``seq`` counts up); not synced: only the beats'
     coming matters, and a lost one is replaced 2 s later."""
-    _write(control_dir, f"{NODE_PREFIX}{node}.json",
+    write_json(control_dir, f"{NODE_PREFIX}{node}.json",
            {"node": node, "seq": seq, "pid": os.getpid(), "host": socket.gethostname(),
             "time": time.time()}, durable=False)
 
 
 def read_beats(control_dir: Path) -> dict[int, Any]:
     """Each follower's newest beat (its ``seq``), by node."""
-    try:
-        with _opened_dir(control_dir) as fd:
-            names = [n for n in os.listdir(fd) if n.startswith(NODE_PREFIX)
-                     and n.endswith(".json")]
-    except OSError:
-        return {}
-    beats: dict[int, Any] = {}
-    for name in names:
-        info = _read(control_dir, name)
-        if info is not None and isinstance(info.get("node"), int):
-            beats[info["node"]] = (info.get("pid"), info.get("seq"))
-    return beats
+    return {info["node"]: (info.get("pid"), info.get("seq"))
+            for info in read_json_files(control_dir, NODE_PREFIX)
+            if isinstance(info.get("node"), int)}
 
 
 def stop_requests(control_dir: Path, token: str) -> list[dict[str, Any]]:
-    try:
-        with _opened_dir(control_dir) as fd:
-            names = sorted(n for n in os.listdir(fd)
-                           if n.startswith(STOP_PREFIX) and n.endswith(".json"))
-    except OSError:
-        return []
-    found = (_read(control_dir, name) for name in names)
-    return [r for r in found if r is not None and r.get("token") == token]
+    """What followers asked of cycle ``token``, by node."""
+    return [r for r in read_json_files(control_dir, STOP_PREFIX) if r.get("token") == token]
