@@ -33,6 +33,7 @@ class Cycle:
     code: int = 0
     completes: bool = False  # marks the training complete when it exits by itself
     confirm_after: float | None = 1.0  # a stop request is confirmed this long after
+    connects_at: float = 0.0  # ...it connected (a slow start under load: imports, a group)
     step: int | None = None  # the step of the confirmed checkpoint
     exit_after_confirm: float = 0.5  # then it exits (0) this long after the confirmation
     ignores_term: bool = False  # SIGTERM does not stop it (the launcher must SIGKILL)
@@ -68,7 +69,7 @@ class World:
         c = self.cycle
         if self.stop_asked is None or c.confirm_after is None:
             return None
-        return self.stop_asked + c.confirm_after
+        return max(self.stop_asked, self.started + c.connects_at) + c.confirm_after
 
 
 class FakeChild:
@@ -155,7 +156,8 @@ class FakeEngine:
         return self._confirmation()
 
     def connected(self) -> bool:
-        return self.world.cycle.confirm_after is not None
+        w = self.world
+        return w.cycle.confirm_after is not None and w.elapsed() >= w.cycle.connects_at
 
     def end_cycle(self) -> Confirmation | None:
         return self._confirmation()
@@ -195,7 +197,7 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
               at: dict[float, Callable[[], object]] | None = None,
               ) -> tuple[World, object, float]:
     """Supervise ``cycles``; ``at`` acts at those times into a cycle (as another process
-    would)."""
+    would; a signal it returns reaches the launcher)."""
     store = CheckpointStore(tmp_path / "ckpt").open()
     world = World(store, cycles)
     config = RunConfig(command=["train"], dir=store.root, time_limit=time_limit, grace=grace,
@@ -206,9 +208,8 @@ def supervise(tmp_path: Path, cycles: list[Cycle], time_limit: float | None = 10
 
     def wait(timeout: float) -> list[int]:
         world.now += max(timeout, 0.001)
-        for t in [t for t in pending if t <= world.elapsed()]:
-            pending.pop(t)()
-        return []
+        arrived = [pending.pop(t)() for t in [t for t in pending if t <= world.elapsed()]]
+        return [s for s in arrived if isinstance(s, signal.Signals)]
 
     if deadline is None:
         deadline = LocalDeadline(time_limit) if time_limit is not None else NoDeadline()
@@ -266,6 +267,21 @@ def test_no_confirmation_within_the_grace_stops_and_three_such_cycles_give_up(tm
 def test_a_command_that_never_connects_exits_124(tmp_path: Path):
     _, result, _ = supervise(tmp_path, [Cycle(confirm_after=None)])
     assert result.reason is ExitReason.NOT_CHECKPOINTABLE and result.exit_code == 124
+
+
+@pytest.mark.parametrize("signum, reason", [
+    (signal.SIGUSR1, ExitReason.CHECKPOINTED),  # a warning: waits for the slow start, saves
+    (signal.SIGTERM, ExitReason.NOT_CHECKPOINTABLE),  # the kill is close: the lead, no more
+], ids=["USR1", "TERM"])
+def test_a_stop_signal_before_the_command_connected(tmp_path: Path, signum: signal.Signals,
+                                                    reason: ExitReason):
+    # Slurm sends its B:USR1 up to a minute early: here 5 s into a cycle whose command needs
+    # 40 s to import and connect, far longer than the 10 s grace.
+    world, result, _ = supervise(tmp_path, [Cycle(connects_at=40, step=3)],
+                                 at={5: lambda: signum})
+    assert result.reason is reason, result.message
+    assert [r[1:] for r in world.requests] == [("stop", signum.name)]
+    assert ("unconfirmed" in journal(world)) is (signum == signal.SIGTERM)
 
 
 def test_the_restart_budget_is_kept(tmp_path: Path):

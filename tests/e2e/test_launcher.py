@@ -7,6 +7,7 @@ import os
 import pickle
 import signal
 import subprocess
+import time
 import zlib
 from pathlib import Path
 
@@ -140,6 +141,27 @@ def test_restart_count_reaches_the_command(workdir: Path):
     starts = [line for line in result.stdout.splitlines() if line.startswith("start step")]
     assert len(starts) >= 2
     assert [s.split()[-1] for s in starts] == [str(i) for i in range(len(starts))]
+
+
+def test_a_usr1_during_a_slow_start_is_answered_by_a_checkpoint(workdir: Path):
+    # Slurm's B:USR1 may come a minute early, while the script still imports and sets up:
+    # far longer than the 2 s grace. The stop waits for the Checkpointer's first safe point.
+    train = [*TINY, "--epochs", "3", "--step-sleep", "0.05", "--start-seconds", "12"]
+    proc = start(["--dir", "c", "--time-limit", "10m", "--grace", "2s", "--", *train],
+                 workdir)
+    deadline = time.monotonic() + 60
+    while not [e for e in events(workdir / "c") if e["event"] == "cycle"]:
+        assert time.monotonic() < deadline and proc.poll() is None, "no cycle began"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGUSR1)  # the command sleeps 12 s before Checkpointer()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]  # checkpointed, nothing lost
+    assert "never connected" not in err and "start step 0" in out, err[-3000:]
+    saved = [e for e in events(workdir / "c") if e["event"] == "checkpoint"]
+    assert [e["reason"] for e in saved] == ["SIGUSR1"], saved
+    again = run([*procckpt_argv(), "run", "--dir", "c", "--", *train[:-2]], cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"start step {saved[0]['step']} restart 1" in again.stdout
 
 
 def test_command_without_checkpointer_is_stopped_with_an_explanation(workdir: Path):

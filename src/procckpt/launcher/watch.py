@@ -41,6 +41,11 @@ STACK_DUMP_WAIT = 2.0
 FAILURE_POLL = 5.0
 PEER_WAIT = 10.0
 NODE_CHECK_EVERY = 30.0
+#: A stop asked while the command is still starting (its imports, its process group) waits
+#: this long at most for it to connect and save, never past the deadline: Slurm sends its
+#: B: signal up to a minute before the time asked for, and a slow start under load must not
+#: cost the cycle (or, in the first one, be taken for a script without the Checkpointer).
+STARTUP_WAIT = 120.0
 
 
 @dataclass
@@ -152,7 +157,8 @@ class CycleWatch:
                 outcome.forwarded.append(name)
         elif action is Action.CHECKPOINT_STOP and self.stop is None:
             outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
-            self._begin_stop(name, now)
+            # SIGTERM comes with the scheduler's kill close behind; USR1 is a warning.
+            self._begin_stop(name, now, warned=signum != signal.SIGTERM)
         elif action is Action.CHECKPOINT and self.stop is None:
             self._trigger("checkpoint", name)
 
@@ -262,17 +268,29 @@ class CycleWatch:
             return None
         if now < stop.give_up_at:
             return None
-        logger.warning("no checkpoint confirmed within the %s grace%s; stopping the command",
-                       format_duration(self.plan.lead.seconds),
+        logger.warning("no checkpoint confirmed within %s%s; stopping the command",
+                       format_duration(stop.give_up_at - stop.asked_at),
                        "" if self._connected() else " (the command never connected to "
                        "procckpt)")
-        append_event(self.store.events_path, "unconfirmed", cycle=self.cycle)
+        append_event(self.store.events_path, "unconfirmed", cycle=self.cycle,
+                     connected=self._connected())
         return self._stop_child()
 
-    def _begin_stop(self, reason: str, now: float) -> None:
+    def _begin_stop(self, reason: str, now: float, warned: bool = False) -> None:
         self.outcome.stop_started = now
         seq = self._trigger("stop", reason)
-        self.stop = _Stop(seq, asked_at=now, give_up_at=now + self.plan.lead.seconds)
+        self.stop = _Stop(seq, asked_at=now, give_up_at=self._give_up_at(now, warned))
+
+    def _give_up_at(self, now: float, warned: bool) -> float:
+        """When a stop asked at ``now`` stops waiting for its checkpoint: the lead later; but
+        a warning (USR1) to a command that has not connected yet waits as long as STARTUP_WAIT
+        allows, and stopping it still ends before the deadline (the request waits in the
+        control dir for its first safe point)."""
+        give_up = now + self.plan.lead.seconds
+        end = self.deadline.end(self.started, now)
+        if not warned or end is None or self._connected():
+            return give_up
+        return max(give_up, min(end - self.term_timeout, now + STARTUP_WAIT))
 
     def _trigger(self, action: str, reason: str) -> int:
         logger.info("asking for a checkpoint%s (%s)", " then stop" if action == "stop" else "",
