@@ -66,7 +66,12 @@ def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmClus
     periodic = {"interval", "checkpoint requested on another rank"}
     stops = [e for e in events if e["event"] == "checkpoint"
              and e["reason"] != "end" and e["reason"] not in periodic]
-    assert len(stops) >= restarts
+    # Slurm's USR1 may come before the ranks could connect (under load): the launcher waits
+    # for them, but a cycle whose ranks never connected before its end saves nothing, and
+    # only such a cycle may end without a stop.
+    unconfirmed = [e for e in events if e["event"] == "unconfirmed"]
+    assert not [e for e in unconfirmed if e["connected"]], unconfirmed
+    assert len(stops) + len(unconfirmed) >= restarts, (stops, unconfirmed)
     assert all(e["reason"] == "stop requested on another rank" for e in stops), stops
     assert any(e["event"] == "resume" and e["batch"] > 0 for e in events)
     assert_same_run(reference, out)
