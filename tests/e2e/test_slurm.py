@@ -303,9 +303,11 @@ def test_sbatch_requeues_through_three_cycles_and_resumes_exactly(slurm_jobs: Su
     assert restarts >= 2, f"only {restarts + 1} cycles: the test needs >= 3"
     assert_bit_identical(slurm_jobs.tiny_reference, job.workdir / "final.pt")
     log = job.log
-    # One log for all cycles (--open-mode=append): every cycle's start, every step once.
+    # One log for all cycles (--open-mode=append): every cycle's start (but for one whose
+    # training never connected before its end, under load), every step once.
     starts = cycle_starts(log)
-    assert len(starts) == restarts + 1 and starts[0] == 0, starts
+    unconnected = log.count("(the command never connected to procckpt)")
+    assert len(starts) + unconnected == restarts + 1 and starts[0] == 0, starts
     assert trained_steps(log) == list(range(1, TRAIN_STEPS + 1))
     assert log.count("procckpt: requeued Slurm job") == restarts
     stops = [e["reason"] for e in job.events if e["event"] == "trigger" and e["action"] == "stop"]
