@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,53 @@ def _open_store(path: str) -> str:
     try:
         CheckpointStore(path).open()
     except StoreError as e:
+        return str(e)
+    return "ok"
+
+
+def test_the_leaders_cleaning_spares_the_writes_of_launchers_starting_beside_it(tmp_path: Path):
+    # Node 0's launcher removes what a crash left half-written while node 1's, which holds no
+    # lock, opens the dir and beats in control/: its files in flight must not vanish.
+    import multiprocessing
+    import threading
+
+    root = tmp_path / "d"
+    store = CheckpointStore(root).open()
+    stop = threading.Event()
+
+    def clean() -> None:
+        while not stop.is_set():
+            store.clean_temporaries()
+
+    cleaner = threading.Thread(target=clean)
+    cleaner.start()
+    try:
+        with multiprocessing.get_context("spawn").Pool(4) as pool:
+            assert pool.map(_open_and_beat, [str(root)] * 8) == ["ok"] * 8
+    finally:
+        stop.set()
+        cleaner.join()
+    # What a crash left goes: in checkpoints/ at once, elsewhere once it is a minute old.
+    old = time.time() - 120
+    for where in (root, store.control_dir, store.ckpt_root):
+        for age in ("new", "old"):
+            (where / f".tmp-{age}-4242-0a1b2c3d").write_bytes(b"x")
+            if age == "old":
+                os.utime(where / f".tmp-{age}-4242-0a1b2c3d", (old, old))
+    store.clean_temporaries()
+    left = sorted(str(p.relative_to(root)) for p in root.rglob(".tmp-*"))
+    assert left == [".tmp-new-4242-0a1b2c3d", "control/.tmp-new-4242-0a1b2c3d"]
+
+
+def _open_and_beat(path: str) -> str:
+    from procckpt.protocol.control import write_json
+
+    try:
+        store = CheckpointStore(path).open()
+        for i in range(100):
+            write_json(store.control_dir, f"node-{os.getpid()}.json", {"beat": i},
+                       durable=False)
+    except (StoreError, OSError) as e:
         return str(e)
     return "ok"
 

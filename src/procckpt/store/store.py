@@ -52,6 +52,9 @@ _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 
 #: The entries a new checkpoint dir gets before its marker.
 _OWN_FIRST = ("checkpoints", "control")
+#: A temporary file this young outside checkpoints/ may be a write in flight by another
+#: launcher that holds no lock (a follower pod of a run on several nodes): it is kept.
+FRESH_TEMPORARY = 60.0
 
 
 class CheckpointStore:
@@ -151,13 +154,19 @@ class CheckpointStore:
         return lock
 
     def clean_temporaries(self) -> list[Path]:
-        """Remove checkpoints that a crash left half-written. Call while holding the lock."""
+        """Remove what a crash left half-written. Call while holding the lock. Every
+        temporary in checkpoints/ goes (the command that wrote it is gone); in the dir's top
+        level and control/ only one older than FRESH_TEMPORARY (small files, which a
+        follower's launcher may be writing now)."""
         removed = []
+        fresh_from = time.time() - FRESH_TEMPORARY
         for parent in (self.ckpt_root, self.root, self.control_dir):
             if not parent.is_dir():
                 continue
             for p in parent.iterdir():
                 if p.name.startswith(".tmp-"):
+                    if parent != self.ckpt_root and _modified(p) > fresh_from:
+                        continue
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
                     else:
@@ -414,3 +423,11 @@ def format_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return str(n)
+
+
+def _modified(path: Path) -> float:
+    """``path``'s modification time; 0 when it is gone (another cleaner took it)."""
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
