@@ -15,20 +15,22 @@ from procckpt.report import COLOURS, PLOT_BACKGROUND
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 
 TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
-STEPS = 25 * 8  # 25 epochs of 8 batches
+EPOCHS = 40
+STEPS = EPOCHS * 8  # 8 batches an epoch
 STEP_SLEEP = 0.05
 FAIL_AT = 40
 
 
 @pytest.fixture(scope="module")
 def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A run with slow starts (3 s before the Checkpointer), 14 s cycles, and a crash of its
-    first cycle (exit 3 at step 40, two seconds into training, before any checkpoint)."""
+    """A run with slow starts (3 s before the Checkpointer), 20 s cycles, and a crash of its
+    first cycle (exit 3 at step 40, two seconds into training, before any checkpoint; the
+    cycle leaves room for imports that take 10 s under load)."""
     workdir = tmp_path_factory.mktemp("goodput")
     ckpt = workdir / "ckpt"
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "14s", "--grace",
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
                "3s", "--restart-on-failure", "--max-restarts", "20", "--", *TINY,
-               "--epochs", "25", "--step-sleep", str(STEP_SLEEP), "--start-seconds", "3",
+               "--epochs", str(EPOCHS), "--step-sleep", str(STEP_SLEEP), "--start-seconds", "3",
                "--fail-at-step", str(FAIL_AT)], cwd=workdir, timeout=400)
     assert res.returncode == 0, res.stderr[-4000:]
     status = run([*procckpt_argv(), "status", "--json", str(ckpt)], cwd=workdir)

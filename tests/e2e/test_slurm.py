@@ -376,7 +376,8 @@ def test_chain_mode_finishes_the_same_training_with_the_same_result(slurm_jobs: 
     unconnected = log.count("(the command never connected to procckpt)")
     assert len(starts) + unconnected == len(ran), log[-4000:]
     assert log.count("already finished") == 12 - len(ran), log[-4000:]
-    assert log.rindex("start step") < log.index("already finished")
+    if "already finished" in log:  # none when the last task trained the last steps
+        assert log.rindex("start step") < log.index("already finished")
 
 
 def test_start_up_warns_about_setups_that_lose_work(slurm_jobs: Submitted):
