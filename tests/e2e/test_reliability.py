@@ -145,6 +145,32 @@ def test_a_second_ctrl_c_kills_at_once(workdir: Path):
     assert proc.returncode != 0 and "second Ctrl-C (SIGINT): killing the command now" in err
 
 
+def test_ctrl_c_on_a_stuck_step_says_that_no_checkpoint_was_taken(workdir: Path):
+    ckpt = workdir / "ckpt"
+    # A checkpoint every second, then the step after step 8 never ends: Ctrl-C's checkpoint
+    # cannot come, and after the grace the command is stopped without one.
+    argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--grace", "5s", "--interval", "1s",
+            "--hang-timeout", "off", "--", *TINY, "--epochs", "2", "--n", "256"]
+    proc = subprocess.Popen([*argv, "--step-sleep", "0.3", "--hang-at-step", "8"], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "step 8")
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert "checkpointed after" not in err, err[-3000:]
+    assert ("no checkpoint was taken after SIGINT: the command reached no safe point before it "
+            "was stopped, so the work since the last checkpoint is lost; running the same "
+            "command again resumes from ckpt-") in last, last
+    saved = events(ckpt, "checkpoint")
+    assert saved and all(e["reason"] == "interval" for e in saved), saved
+    assert last.endswith(f" (step {saved[-1]['step']})"), (last, saved)
+    again = run(argv, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith(f"start step {saved[-1]['step']} "), again.stdout[:200]
+
+
 def test_a_resume_with_another_batch_size_says_what_it_passes_over_or_refuses(workdir: Path):
     ckpt = workdir / "ckpt"
     argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, "--epochs", "2",

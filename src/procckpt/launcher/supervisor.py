@@ -210,12 +210,24 @@ class Supervisor:
                              cause=cause.value, step=step if outcome.confirmed and
                              outcome.confirmed.step is not None else None)
                 continue
+            unsaved = "" if step is not None else self._unsaved_stop(outcome)
             if verdict.decision is Decision.REQUEUED:
-                return self._exit(0, ExitReason.REQUEUED, verdict.message)
+                return self._exit(0, ExitReason.REQUEUED, unsaved + verdict.message)
             if verdict.decision is Decision.BUDGET_EXHAUSTED:
-                return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED, verdict.message,
-                                  error=True)
+                return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED,
+                                  unsaved + verdict.message, error=True)
+            if unsaved:
+                # The stop's checkpoint never came (a stuck step): no claim that it did.
+                return self._exit(EX_TEMPFAIL, ExitReason.INTERRUPTED,
+                                  f"{unsaved}running the same command again "
+                                  f"{self._resumes_from()}", error=True)
             return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message)
+
+    def _unsaved_stop(self, outcome: CycleOutcome) -> str:
+        """What a stop whose checkpoint never came cost, in words, ending in '; '."""
+        return (f"no checkpoint was taken after {_cause_text(outcome)}: the command reached no "
+                "safe point before it was stopped, so the work since the last checkpoint is "
+                "lost; ")
 
     def _lost_nodes(self, outcome: CycleOutcome) -> list[object]:
         """The nodes of the job lost by the end of a cycle that failed, hung or never had its
