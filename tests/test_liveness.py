@@ -61,6 +61,28 @@ def test_a_loop_that_waits_at_the_same_line_each_round_moves(tmp_path: Path):
     assert moves >= 2 and said > 0, (moves, said)
 
 
+def test_a_wait_loop_that_wakes_to_look_again_does_not_move(tmp_path: Path):
+    # The DataLoader's main thread waiting for a batch from a stuck worker: queue.get with a
+    # timeout, a look at the workers, again (every 5 s there; every 0.3 s here). Its stack
+    # and its context switches change at each wake-up, but it does no work.
+    import queue
+
+    def waiting_for_a_batch(stop: threading.Event) -> None:
+        batches: queue.Queue[int] = queue.Queue()
+        while not stop.is_set():
+            try:
+                batches.get(timeout=0.3)
+            except queue.Empty:
+                continue
+
+    def polling(stop: threading.Event) -> None:
+        while not stop.is_set():  # while not ready: sleep(0.1)
+            time.sleep(0.1)
+
+    assert watch(tmp_path, waiting_for_a_batch, seconds=3.0) == (0, 0)
+    assert watch(tmp_path, polling, seconds=3.0) == (0, 0)
+
+
 def test_a_thread_blocked_on_a_lock_or_sleeping_does_not_move(tmp_path: Path):
     lock = threading.Lock()
     lock.acquire()

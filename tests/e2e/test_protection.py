@@ -136,3 +136,24 @@ def test_a_stuck_rank_of_a_torchrun_group_is_caught_and_the_group_resumes_exactl
     assert "stuck_forever" in res.stderr, res.stderr[-4000:]
     assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
     assert_same_run(expected, out)
+
+
+def test_a_stuck_dataloader_worker_is_a_hang_caught_with_every_stack_and_resumed_exactly(
+        workdir: Path):
+    args = ["--epochs", "3", "--n", "512", "--workers", "2", "--step-sleep", "0.05"]
+    expected = reference(workdir, *args)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    # Each worker loads whole batches of 32: the one that loads its 6th blocks for ever, and
+    # the main process waits for it in the DataLoader's queue.get(timeout=5), waking every 5 s.
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
+               "--hang-timeout", "10s", "--term-timeout", "2s", "--", *TINY, *args,
+               "--stuck-worker-after", "160", "--out", str(out)], cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    (hang,) = events(ckpt, "hang")
+    assert 5 <= hang["step"] <= 12 and 10 <= hang["seconds"] <= 14, hang
+    assert "no step completed for" in res.stderr
+    # The stacks: the main thread waiting in the DataLoader, and the worker where it is stuck.
+    assert "_try_get_data" in res.stderr and "stuck_in_a_worker" in res.stderr, \
+        res.stderr[-3000:]
+    assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
+    assert_bit_identical(expected, out)

@@ -38,6 +38,9 @@ def main() -> None:
                         help="Python work after Checkpointer() before the loop (data prep)")
     parser.add_argument("--validate-seconds", type=float, default=0.0,
                         help="a validation pass of this long at the end of each epoch")
+    parser.add_argument("--stuck-worker-after", type=int, default=None,
+                        help="a DataLoader worker blocks forever once it has loaded this many "
+                             "samples (only on the first start)")
     parser.add_argument("--start-seconds", type=float, default=0.0,
                         help="a slow start before Checkpointer() (imports, reading a config)")
     args = parser.parse_args()
@@ -46,7 +49,10 @@ def main() -> None:
     torch.manual_seed(0)
     x = torch.randn(args.n, 16)
     y = (x.sum(1) > 0).long()
-    loader = DataLoader(TensorDataset(x, y), batch_size=args.batch_size, shuffle=True,
+    data = TensorDataset(x, y)
+    if args.stuck_worker_after is not None and os.environ.get("PROCCKPT_RESTART", "0") == "0":
+        data = StuckWorkerData(data, args.stuck_worker_after)
+    loader = DataLoader(data, batch_size=args.batch_size, shuffle=True,
                         num_workers=args.workers)
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(args.width, 2))
@@ -108,6 +114,30 @@ def validate(model: nn.Module, x: torch.Tensor, seconds: float) -> None:
                 model(x[start:start + 16]).argmax(1)
                 time.sleep(0.002)
     model.train()
+
+
+class StuckWorkerData(torch.utils.data.Dataset):
+    """A data set whose worker processes block for ever after ``after`` samples each (a read
+    from a dead file system, a deadlock in a decoder): the main process waits for a batch
+    that never comes."""
+
+    def __init__(self, data: TensorDataset, after: int) -> None:
+        self.data, self.after, self.loaded = data, after, 0
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int):
+        if torch.utils.data.get_worker_info() is not None:
+            self.loaded += 1
+            if self.loaded > self.after:
+                stuck_in_a_worker()
+        return self.data[index]
+
+
+def stuck_in_a_worker() -> None:
+    while True:
+        time.sleep(3600)
 
 
 def stuck_on_a_lock() -> None:

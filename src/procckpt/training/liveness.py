@@ -3,11 +3,15 @@
 Safe points are not the only sign of progress: a validation pass, data preparation after
 ``Checkpointer()`` or the end of an epoch run for minutes without one. A thread samples the
 training thread five times a second: where it is (its Python frames, each code object and
-instruction) and how often it has given up the processor of its own accord (its voluntary
-context switches). A stack that changed, or a thread that went to sleep and woke again (a
-loop waiting on reads, sleeps or a device each round), is progress. A thread stuck in a
-collective, a lock, a read or a sleep shows the same stack and no new switch for as long as
-it lasts; one spinning on a device that never answers shows the same stack, and switches only
+instruction), how often it has given up the processor of its own accord (its voluntary
+context switches), and how much processor time it has used. A sample counts as a move when
+the stack changed (or the thread slept and woke again) *and* the thread ran for at least
+MOVE_CPU_SECONDS since the sample before: a validation pass or data preparation works, a
+wait does not. A thread stuck in a collective, a lock, a read or a sleep shows the same stack
+and uses no time; so does a wait loop that wakes now and then to look again (the DataLoader's
+``queue.get(timeout=5)`` for a batch a stuck worker will never send, ``while not ready:
+sleep(0.1)``): it cycles through the same few frames at a few microseconds a round. One
+spinning on a device that never answers uses time but shows the same stack, and switches only
 when preempted (those are not counted); one that holds the GIL forever keeps the sampler from
 running at all. All of these look stuck.
 
@@ -16,8 +20,8 @@ reached, how many samples saw the thread move, and the longest stretch between t
 so far (the deadline's checkpoint must be asked for early enough to cover it). The launcher
 counts a new step or a new move as progress (launcher/hang.py).
 
-A loop that polls for something that never comes (``while not ready: sleep(0.1)``) moves, and
-is not caught; the hangs that matter block.
+A loop that polls in a tight circle (a millisecond's sleep or less) still uses enough time
+to move, and is not caught.
 
 A long call into C that releases the GIL (a huge single kernel, a blocking library call)
 shows one stack while it works: :meth:`Liveness.working` marks such a stretch as progress,
@@ -45,6 +49,27 @@ logger = logging.getLogger(__name__)
 SAMPLE_SECONDS = 0.2
 #: How often, at most, the launcher is told (its hang detection reads it).
 HEARTBEAT_SECONDS = 1.0
+#: A changed stack is a move only when the thread ran this long since the sample before (1/4 %
+#: of a core): a wait loop's wake-ups cost microseconds, real work milliseconds.
+MOVE_CPU_SECONDS = 0.0005
+
+
+def thread_cpu_clock(thread_id: int | None) -> int | None:
+    """The clock of the processor time thread ``thread_id`` used (POSIX); None elsewhere."""
+    try:
+        return time.pthread_getcpuclockid(thread_id)  # type: ignore[arg-type]
+    except (AttributeError, OSError, TypeError, OverflowError):
+        return None
+
+
+def cpu_seconds(clock: int | None) -> float | None:
+    """The processor time on ``clock`` so far; None without one, or once its thread ended."""
+    if clock is None:
+        return None
+    try:
+        return time.clock_gettime(clock)
+    except OSError:
+        return None
 
 
 def voluntary_switches(native_id: int) -> int | None:
@@ -85,6 +110,7 @@ class Liveness:
         self.control = control
         self.thread_id = thread.ident
         self.native_id = thread.native_id
+        self._cpu_clock = thread_cpu_clock(thread.ident)
         #: The step reached, set by the safe points (a plain store: read by the sampler).
         self.step = 0
         #: How many samples found the training elsewhere than the sample before.
@@ -141,15 +167,16 @@ class Liveness:
         return stack, voluntary_switches(self.native_id)  # type: ignore[arg-type]
 
     def _run(self) -> None:
-        last = self._where()
+        last, last_cpu = self._where(), cpu_seconds(self._cpu_clock)
         next_beat = 0.0
         while not self._stop.wait(SAMPLE_SECONDS):
-            here = self._where()
+            here, cpu = self._where(), cpu_seconds(self._cpu_clock)
             if here is None:
                 return  # the training thread ended
-            if here != last or self._working:
+            worked = cpu is None or last_cpu is None or cpu - last_cpu >= MOVE_CPU_SECONDS
+            if self._working or (here != last and worked):
                 self.moves += 1
-            last = here
+            last, last_cpu = here, cpu
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + HEARTBEAT_SECONDS
