@@ -3,8 +3,13 @@ from one that is not deterministic at all; real scripts, real processes, real re
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
+
+import pytest
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
 
@@ -89,3 +94,64 @@ def test_bad_input_is_said_in_one_line_with_exit_2(workdir: Path):
     failing = check(workdir, PYTHON, "-c", "import sys; sys.exit('broken script')")
     assert failing.returncode == 2 and "failed with exit code 1: broken script" in \
         failing.stderr, failing.stderr
+
+
+def test_a_missing_command_is_said_at_once(workdir: Path):
+    started = time.monotonic()
+    done = check(workdir, "nosuchcommand", "--epochs", "1")
+    assert done.returncode == 127, done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "procckpt: error: command not found: nosuchcommand (check the spelling and PATH)"]
+    assert time.monotonic() - started < 30  # no launcher, no torch was started for it
+
+
+def test_each_run_is_said_as_it_ends(workdir: Path):
+    done = check(workdir, PYTHON, str(PROGRAMS / "tiny_train.py"), "--epochs", "3", "--n", "128")
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("procckpt check: ")]
+    assert [line.split(":")[1].split("(")[0].strip() for line in said] == [
+        f"run {i} of 6" for i in range(1, 7)], said
+    assert said[0].startswith("procckpt check: run 1 of 6 (without a stop): step 12/12 in ")
+    assert said[2].startswith("procckpt check: run 3 of 6 (stopped at step 6): step 6/12 in ")
+    assert said[3].startswith("procckpt check: run 4 of 6 (resumed from step 6): step 12/12 ")
+    assert all("s of it before the first step" in line for line in said), said
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_check_leaves_no_dir_and_no_process(workdir: Path, signum: int):
+    tmp = workdir / "tmp"
+    tmp.mkdir()
+    marker = str(workdir / "never-written.pt")
+    proc = subprocess.Popen([*procckpt_argv(), "check", "--steps", "40", "--", PYTHON,
+                             str(PROGRAMS / "tiny_train.py"), "--epochs", "10", "--n", "128",
+                             "--step-sleep", "0.5", "--out", marker], cwd=workdir,
+                            env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while not list(tmp.glob("procckpt-check-*/a.trace.0")):  # the first run is training
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    assert _processes_naming(marker), "the check's run should be training now"
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signum, out + err
+    assert err.strip().splitlines()[-1] == (
+        f"procckpt: error: check stopped by {signal.Signals(signum).name}: its runs were "
+        "stopped and their files removed"), err
+    assert not list(tmp.glob("procckpt-check-*")), "the check left its runs behind"
+    assert _processes_naming(marker) == []
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The processes whose command line holds ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().decode(errors="replace")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if text in cmdline and state != "Z":
+                found.append(int(entry.name))
+    return found

@@ -22,7 +22,7 @@ from collections import deque
 
 from ..protocol.control import STACK_DUMP_SIGNAL, Heartbeat
 
-__all__ = ["HangWatch", "dump_stacks"]
+__all__ = ["HangWatch", "dump_stacks", "descendants"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def dump_stacks(root: int, timeout: float = 10.0) -> None:
     own. The signal is ignored by processes that did not register for it. ``py-spy dump`` of
     each, too, where py-spy is installed.
     """
-    below = _descendants(root)
+    below = descendants(root)
     for pid in below:
         try:
             os.kill(pid, STACK_DUMP_SIGNAL)
@@ -131,7 +131,7 @@ def dump_stacks(root: int, timeout: float = 10.0) -> None:
             logger.error("py-spy dump of pid %d:\n%s", pid, done.stdout.rstrip())
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """The processes below ``root``, from /proc (parents before their children)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

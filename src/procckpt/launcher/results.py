@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import enum
+import signal
 from dataclasses import dataclass, field
 
 from .engines import Confirmation
 from .restart import StopCause
 
-__all__ = ["ExitReason", "RunResult", "CycleOutcome"]
+__all__ = ["ExitReason", "RunResult", "CycleOutcome", "exit_words"]
 
 
 class ExitReason(enum.Enum):
@@ -53,6 +54,13 @@ class CycleOutcome:
     lost_nodes: list[object] = field(default_factory=list)
 
     @property
+    def stop_text(self) -> str:
+        """Why we stopped the command, in words: 'its time limit was near', 'SIGTERM'."""
+        if self.stop_cause is StopCause.DEADLINE:
+            return "its time limit was near"
+        return self.stop_signal or "stop request"
+
+    @property
     def ending(self) -> str:
         """How the cycle ended, for the journal: finished, stopped (its checkpoint kept),
         exited (0, by itself), node-lost, hung, unconfirmed (a stop whose checkpoint never
@@ -68,3 +76,14 @@ class CycleOutcome:
         if self.stop_cause is not None:
             return "unconfirmed"
         return "exited" if self.exit_code == 0 else "failed"
+
+
+def exit_words(code: int) -> str:
+    """How the command ended, in words: 'was killed by signal 9 (SIGKILL)' or 'failed with
+    exit code 3'."""
+    if code > 128:
+        try:
+            return f"was killed by signal {code - 128} ({signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    return f"failed with exit code {code}"

@@ -30,7 +30,7 @@ from .engines import Engine
 from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
 from .restart import Decision, RestartPolicy, StopCause
-from .results import CycleOutcome, ExitReason, RunResult
+from .results import CycleOutcome, ExitReason, RunResult, exit_words
 from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
 from .watch import CycleWatch, log_confirmed
 
@@ -179,7 +179,7 @@ class Supervisor:
             # (torchrun and its workers under load) makes no progress; it is not unable to.
             if outcome.confirmed is None and not outcome.connected and last_step is None:
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
-                                  f"the command was stopped ({_cause_text(outcome)}) but it "
+                                  f"the command was stopped ({outcome.stop_text}) but it "
                                   "never connected to procckpt, so nothing was saved and a "
                                   "rerun starts from the beginning: use procckpt.Checkpointer "
                                   "in the script, or --engine dmtcp", error=True)
@@ -210,7 +210,10 @@ class Supervisor:
                              cause=cause.value, step=step if outcome.confirmed and
                              outcome.confirmed.step is not None else None)
                 continue
-            unsaved = "" if step is not None else self._unsaved_stop(outcome)
+            unsaved = "" if step is not None else (
+                f"no checkpoint was taken after {outcome.stop_text}: the command reached no "
+                "safe point before it was stopped, so the work since the last checkpoint is "
+                "lost; ")
             if verdict.decision is Decision.REQUEUED:
                 return self._exit(0, ExitReason.REQUEUED, unsaved + verdict.message)
             if verdict.decision is Decision.BUDGET_EXHAUSTED:
@@ -222,12 +225,6 @@ class Supervisor:
                                   f"{unsaved}running the same command again "
                                   f"{self._resumes_from()}", error=True)
             return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message)
-
-    def _unsaved_stop(self, outcome: CycleOutcome) -> str:
-        """What a stop whose checkpoint never came cost, in words, ending in '; '."""
-        return (f"no checkpoint was taken after {_cause_text(outcome)}: the command reached no "
-                "safe point before it was stopped, so the work since the last checkpoint is "
-                "lost; ")
 
     def _lost_nodes(self, outcome: CycleOutcome) -> list[object]:
         """The nodes of the job lost by the end of a cycle that failed, hung or never had its
@@ -273,12 +270,16 @@ class Supervisor:
         if code == 0:
             if not outcome.connected:
                 return self._exit(0, ExitReason.FINISHED, "the command exited 0")
+            if os.environ.get(ctl.ENV_CHECK):
+                return self._exit(0, ExitReason.FINISHED, "the command exited 0 at the step "
+                                  "procckpt check ended it")
             return self._exit(0, ExitReason.FINISHED,
-                              "the command exited 0 before the end of its ckpt.epochs() loop "
-                              "(a break?), so the run is not marked complete and running it "
-                              f"again {self._resumes_from(verb='resumes')}; to end training "
-                              "early, call ckpt.finish() before break")
-        ended = _ending(code)
+                              "the command exited 0 before the end of its training loop "
+                              "(ckpt.epochs(), steps() or batches(); a break?), so the run is "
+                              "not marked complete and running it again "
+                              f"{self._resumes_from(verb='resumes')}; to end training early, "
+                              "call ckpt.finish() before break")
+        ended = exit_words(code)
         if self.config.restart_on_failure and restarts < self.config.max_restarts:
             # The same failure again, from the same checkpoint: it will most likely repeat.
             where = (code, self._latest_step())
@@ -435,19 +436,3 @@ class Supervisor:
         append_event(self.store.events_path, "cycle-end", cycle=self.cycles,
                      code=outcome.exit_code, ended=outcome.ending)
         return outcome
-
-def _ending(code: int) -> str:
-    """How the command ended, in words: 'was killed by signal 9 (SIGKILL)' or 'failed with
-    exit code 3'."""
-    if code > 128:
-        try:
-            return f"was killed by signal {code - 128} ({signal.Signals(code - 128).name})"
-        except ValueError:
-            pass
-    return f"failed with exit code {code}"
-
-
-def _cause_text(outcome: CycleOutcome) -> str:
-    if outcome.stop_cause is StopCause.DEADLINE:
-        return "its time limit was near"
-    return outcome.stop_signal or "stop request"

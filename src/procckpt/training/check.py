@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
+from ..protocol.control import ENV_CHECK
 from ..store.checksum import crc32
 
 __all__ = ["ENV_CHECK", "CheckHook", "NoCheck", "check_hook", "fingerprints"]
 
-ENV_CHECK = "PROCCKPT_CHECK"
 #: What the check's checkpoints are recorded with: the stop in the middle, the last one.
 STOP_REASON = "check-stop"
 END_REASON = "check-end"

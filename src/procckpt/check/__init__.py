@@ -15,59 +15,21 @@ fingerprint differs, so the part that is lost on a resume, and from when, can be
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import UsageError
+from ..errors import CommandNotFoundError, UsageError
+from .runs import CheckInterrupted, Run, Runner, Signalled, last_step, signals_held, \
+    signals_raise
 
-__all__ = ["run_check", "Verdict"]
+__all__ = ["run_check", "Verdict", "CheckInterrupted"]
 
 #: Exit codes: exact, differs or not deterministic, bad input.
 EXACT, DIFFERS, BAD_INPUT = 0, 1, 2
-RUN_TIMEOUT = 900.0
-
-
-@dataclass
-class Run:
-    """One run of the command in its own checkpoint dir (C runs twice there)."""
-
-    name: str
-    dir: Path
-    codes: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    @property
-    def log(self) -> Path:
-        return self.dir.parent / f"{self.name}.log"
-
-    def where(self) -> dict[int, tuple[int, int]]:
-        """step -> (epoch, batch) after it, from rank 0's trace: the steps after which a
-        checkpoint can be taken."""
-        found = {}
-        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
-            entry = json.loads(line)
-            if entry.get("saves", True):
-                found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
-        return found
-
-    def traces(self) -> dict[int, dict[int, dict[str, int]]]:
-        """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
-        by the stopped and the resumed process, keeps the later line)."""
-        found: dict[int, dict[int, dict[str, int]]] = {}
-        for path in self.dir.parent.glob(f"{self.name}.trace.*"):
-            rank = int(path.name.rsplit(".", 1)[1])
-            steps = found.setdefault(rank, {})
-            for line in path.read_text().splitlines():
-                entry = json.loads(line)
-                steps[int(entry["step"])] = entry["parts"]
-        return found
 
 
 @dataclass(frozen=True)
@@ -89,37 +51,52 @@ def run_check(command: list[str], steps: int, at: int | None, keep: bool = False
         raise UsageError(f"--steps {steps}: at least 2, to stop in the middle")
     if at is not None and not 1 <= at < steps:
         raise UsageError(f"--at {at}: between 1 and {steps - 1} (--steps {steps})")
+    if not command:
+        raise UsageError("no command given: put it after --, e.g. procckpt check -- python "
+                         "train.py")
+    exe = command[0]
+    if shutil.which(exe) is None:
+        raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="procckpt-check-"))
+    runner = Runner(work, command)
     try:
-        a = _run(work, "a", command, steps, None)
-        last = _last_step(a)
-        if last < steps:  # the script has fewer steps: check the ones it has
-            if last < 2:
-                raise UsageError(f"the command trained {last} step(s) in all: too few to stop "
-                                 "in the middle")
-            steps = last
-            a = _run(work, "a2", command, steps, None)
-        b = _run(work, "b", command, steps, None)
-        resumed = []
-        for name, stop_at in _stops(a, steps, at):
-            c = _run(work, name, command, steps, stop_at)
-            if _last_step(c) != stop_at:
-                raise UsageError(f"the command did not stop at step {stop_at} as asked: it "
-                                 f"went on to step {_last_step(c)} (procckpt check --keep "
-                                 "keeps its output)")
-            resumed.append((_run(work, name, command, steps, stop_at, again=c), stop_at))
-        verdict = _verdict(a, b, resumed, steps)
+        with signals_raise():
+            a = runner.run("a", steps, None, "without a stop")
+            last = last_step(a)
+            if last < steps:  # the script has fewer steps: check the ones it has
+                if last < 2:
+                    raise UsageError(f"the command trained {last} step(s) in all: too few to "
+                                     "stop in the middle")
+                steps = last
+                a = runner.run("a2", steps, None, "without a stop, to its last step")
+            stops = _stops(a, steps, at)
+            runner.expect(runner.done + 1 + 2 * len(stops))
+            b = runner.run("b", steps, None, "again without a stop: is it deterministic?")
+            resumed = []
+            for name, stop_at in stops:
+                c = runner.run(name, steps, stop_at, f"stopped at step {stop_at}")
+                if last_step(c) != stop_at:
+                    raise UsageError(f"the command did not stop at step {stop_at} as asked: it "
+                                     f"went on to step {last_step(c)} (procckpt check --keep "
+                                     "keeps its output)")
+                resumed.append((runner.run(name, steps, stop_at, f"resumed from step "
+                                           f"{stop_at}", again=c), stop_at))
+            verdict = _verdict(a, b, resumed, steps)
         runs = sum(run.seconds for run in (a, b, *(c for c, _ in resumed)))
         verdict.details.append(f"{2 + 2 * len(resumed)} runs of the command took {runs:.1f}s "
                                f"of the check's {time.monotonic() - started:.1f}s")
         return verdict
+    except Signalled as e:
+        raise CheckInterrupted(e.signum) from None
     finally:
-        if keep:
-            print(f"procckpt check: the runs' dirs, logs and traces are kept in {work}",
-                  file=sys.stderr)
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        with signals_held():  # a second Ctrl-C must not leave the runs or the dir behind
+            runner.stop()
+            if keep:
+                print(f"procckpt check: the runs' dirs, logs and traces are kept in {work}",
+                      file=sys.stderr)
+            else:
+                shutil.rmtree(work, ignore_errors=True)
 
 
 def _stops(a: Run, steps: int, at: int | None) -> list[tuple[str, int]]:
@@ -139,46 +116,6 @@ def _stops(a: Run, steps: int, at: int | None) -> list[tuple[str, int]]:
     mid = nearest([s for s in range(1, steps) if s in where and s not in ends]) or middle
     end = nearest(ends)
     return [("c", mid)] + ([("d", end)] if end is not None else [])
-
-
-def _run(work: Path, name: str, command: list[str], end: int, stop_at: int | None,
-         again: Run | None = None) -> Run:
-    run = again or Run(name, work / name)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
-           "PROCCKPT_CHECK": json.dumps({"end": end, "stop_at": stop_at,
-                                         "trace": str(work / f"{name}.trace")})}
-    for variable in ("PROCCKPT_TOKEN", "PROCCKPT_DIR", "PROCCKPT_FORCE"):
-        env.pop(variable, None)
-    argv = [sys.executable, "-m", "procckpt", "run", "--dir", str(run.dir), "--engine", "hooks",
-            "--interval", "off", "--hang-timeout", "off", "--keep", "2", "--", *command]
-    started = time.monotonic()
-    with open(run.log, "a") as log:
-        try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                  env=env, timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise UsageError(f"a run of the command took over {RUN_TIMEOUT:.0f}s: give fewer "
-                             f"--steps (see {run.log})") from None
-    run.codes.append(done.returncode)
-    run.seconds += time.monotonic() - started
-    if done.returncode not in (0, 75):
-        raise UsageError(f"the command failed with exit code {done.returncode}: "
-                         f"{_last_words(run.log)} (procckpt check --keep keeps its output)")
-    if not run.traces():
-        raise UsageError("the command reached no safe point of procckpt.Checkpointer: check "
-                         "needs a script that uses it (ckpt.epochs(), batches() or steps())")
-    return run
-
-
-def _last_words(log: Path) -> str:
-    """The command's own last line of output (not the launcher's)."""
-    lines = [line for line in log.read_text(errors="replace").splitlines()
-             if line.strip() and not line.startswith("procckpt:")]
-    return lines[-1].strip()[:200] if lines else "no output"
-
-
-def _last_step(run: Run) -> int:
-    return max(run.traces().get(0, {0: {}}))
 
 
 def _unused_streams(*runs: Run) -> set[str]:
@@ -286,7 +223,7 @@ def _saved_differences(x: Path, y: Path) -> list[str]:
     """The parts in which the newest checkpoints of two dirs differ (every ``.pt`` file)."""
     import torch
 
-    from .training.check import fingerprints
+    from ..training.check import fingerprints
 
     def newest(root: Path) -> Path:
         return sorted((root / "checkpoints").glob("ckpt-*"))[-1]

@@ -1,0 +1,228 @@
+"""The runs of ``procckpt check``: the command under ``procckpt run``, one at a time, each in a
+session of its own, its progress said on stderr, all of it stopped on a signal."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ProcckptError, UsageError
+from ..launcher.hang import descendants
+
+__all__ = ["Run", "Runner", "CheckInterrupted", "Signalled", "signals_raise", "signals_held",
+           "last_step"]
+
+#: A run may take this long from its first step to its end ...
+RUN_TIMEOUT = 900.0
+#: ... and this long before it (imports, data, the model: minutes on a loaded node).
+STARTUP_TIMEOUT = 1800.0
+#: How often a run is looked at while it runs.
+POLL = 0.2
+#: Signals that end the check: its runs are stopped and its files removed first.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class CheckInterrupted(ProcckptError):
+    """The check was stopped by a signal (after stopping its runs and removing its dir)."""
+
+    def __init__(self, signum: int) -> None:
+        name = signal.Signals(signum).name
+        super().__init__(f"check stopped by {name}: its runs were stopped and their files "
+                         "removed")
+        self.exit_code = 128 + signum
+
+
+@dataclass
+class Run:
+    """One run of the command in its own checkpoint dir (C runs twice there)."""
+
+    name: str
+    dir: Path
+    codes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def log(self) -> Path:
+        return self.dir.parent / f"{self.name}.log"
+
+    def where(self) -> dict[int, tuple[int, int]]:
+        """step -> (epoch, batch) after it, from rank 0's trace: the steps after which a
+        checkpoint can be taken."""
+        found = {}
+        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
+            entry = json.loads(line)
+            if entry.get("saves", True):
+                found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
+        return found
+
+    def traces(self) -> dict[int, dict[int, dict[str, int]]]:
+        """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
+        by the stopped and the resumed process, keeps the later line)."""
+        found: dict[int, dict[int, dict[str, int]]] = {}
+        for path in self.dir.parent.glob(f"{self.name}.trace.*"):
+            rank = int(path.name.rsplit(".", 1)[1])
+            steps = found.setdefault(rank, {})
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                steps[int(entry["step"])] = entry["parts"]
+        return found
+
+
+class Runner:
+    """Runs the command under ``procckpt run``, one run at a time, each in a session of its
+    own, and says on stderr how each went; :meth:`stop` ends the one running, with every
+    process below it."""
+
+    def __init__(self, work: Path, command: list[str]) -> None:
+        self.work, self.command = work, command
+        self.done = 0
+        self.total: int | None = None  # known once the first run showed the epochs
+        self._unsaid: list[tuple[int, str]] = []  # (run number, how it went) until then
+        self._running: subprocess.Popen[bytes] | None = None
+
+    def run(self, name: str, end: int, stop_at: int | None, what: str,
+            again: Run | None = None) -> Run:
+        run = again or Run(name, self.work / name)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1",
+               "PROCCKPT_CHECK": json.dumps({"end": end, "stop_at": stop_at,
+                                             "trace": str(self.work / f"{name}.trace")})}
+        for variable in ("PROCCKPT_TOKEN", "PROCCKPT_DIR", "PROCCKPT_FORCE"):
+            env.pop(variable, None)
+        argv = [sys.executable, "-m", "procckpt", "run", "--dir", str(run.dir), "--engine",
+                "hooks", "--interval", "off", "--hang-timeout", "off", "--keep", "2", "--",
+                *self.command]
+        before = _trace_size(run)
+        started = time.monotonic()
+        first_step: float | None = None
+        with open(run.log, "a") as log:
+            self._running = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=log, env=env, start_new_session=True)
+            while (code := self._running.poll()) is None:
+                time.sleep(POLL)
+                now = time.monotonic()
+                if first_step is None and _trace_size(run) > before:
+                    first_step = now
+                if first_step is None and now - started > STARTUP_TIMEOUT:
+                    self.stop()
+                    raise UsageError(
+                        f"run {self.done + 1} of the command reached no step in "
+                        f"{STARTUP_TIMEOUT:.0f}s: its start-up (imports, data, model) took "
+                        f"all of it, which no --steps can shorten (see {run.log})")
+                if first_step is not None and now - first_step > RUN_TIMEOUT:
+                    self.stop()
+                    raise UsageError(f"run {self.done + 1} of the command took over "
+                                     f"{RUN_TIMEOUT:.0f}s after its first step: give fewer "
+                                     f"--steps (see {run.log})")
+        self._running = None
+        run.codes.append(code)
+        run.seconds += time.monotonic() - started
+        self.done += 1
+        if code not in (0, 75):
+            raise UsageError(f"the command failed with exit code {code}: "
+                             f"{_last_words(run.log)} (procckpt check --keep keeps its output)")
+        if not run.traces():
+            raise UsageError("the command reached no safe point of procckpt.Checkpointer: "
+                             "check needs a script that uses it (ckpt.epochs(), batches() or "
+                             "steps())")
+        startup = (first_step if first_step is not None else time.monotonic()) - started
+        self._unsaid.append((self.done, f"({what}): step {last_step(run)}/{end} in "
+                             f"{time.monotonic() - started:.1f}s, {startup:.1f}s of it before "
+                             "the first step"))
+        if self.total is not None:
+            self._say()
+        return run
+
+    def expect(self, total: int) -> None:
+        """How many runs the check makes in all (known once the first showed the epochs)."""
+        self.total = total
+        self._say()
+
+    def _say(self) -> None:
+        for number, line in self._unsaid:
+            print(f"procckpt check: run {number} of {self.total} {line}", file=sys.stderr,
+                  flush=True)
+        self._unsaid = []
+
+    def stop(self) -> None:
+        """Kill the run in progress: the launcher and every process below it (found before
+        the launcher goes, since its orphans would then move elsewhere), and wait for them."""
+        proc, self._running = self._running, None
+        if proc is None or proc.poll() is not None:
+            return
+        below = descendants(proc.pid)
+        for pid in (proc.pid, *below):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        until = time.monotonic() + 10
+        while time.monotonic() < until and any(_alive(pid) for pid in below):
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is still a running (not a zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _trace_size(run: Run) -> int:
+    """Bytes of the run's traces so far: they grow at each step."""
+    return sum(p.stat().st_size for p in run.dir.parent.glob(f"{run.name}.trace.*"))
+
+
+def _last_words(log: Path) -> str:
+    """The command's own last line of output (not the launcher's)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines()
+             if line.strip() and not line.startswith("procckpt:")]
+    return lines[-1].strip()[:200] if lines else "no output"
+
+
+def last_step(run: Run) -> int:
+    return max(run.traces().get(0, {0: {}}))
+
+
+class Signalled(BaseException):
+    """Raised by the check's signal handlers (a BaseException: no `except Exception` in
+    between takes it for an error of the run)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise(signum: int, _frame: object) -> None:
+    raise Signalled(signum)
+
+
+@contextlib.contextmanager
+def signals_raise() -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP end the check (its runs are in sessions of their own, so a
+    Ctrl-C reaches the check alone, which stops them)."""
+    before = {signum: signal.signal(signum, _raise) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
