@@ -155,3 +155,42 @@ def _processes_naming(text: str) -> list[int]:
             if text in cmdline and state != "Z":
                 found.append(int(entry.name))
     return found
+
+
+def test_an_ema_in_no_checkpoint_is_named_and_compared(workdir: Path):
+    script = [PYTHON, str(PROGRAMS / "tiny_train.py"), "--epochs", "3", "--n", "128"]
+    unsaved = check(workdir, *script, "--ema", "unsaved")
+    assert unsaved.returncode == 1, unsaved.stdout + unsaved.stderr[-3000:]
+    first, *details = unsaved.stdout.splitlines()
+    assert first.startswith("differs: after the resume in the middle of an epoch at step 6, "
+                            "unsaved.ema differs from step 7 on"), unsaved.stdout
+    assert ("certain: ema is in no checkpoint (ema (AveragedModel, in main())), so a resume "
+            "starts it afresh: pass it to the Checkpointer (Checkpointer(..., ema=ema))") in \
+        unsaved.stdout
+    saved = check(workdir, *script, "--ema", "saved")
+    assert saved.returncode == 0, saved.stdout + saved.stderr[-3000:]
+    assert "statefuls.ema" in saved.stdout and "unsaved" not in saved.stdout, saved.stdout
+
+
+def test_a_resumed_run_names_what_no_checkpoint_holds(workdir: Path):
+    argv = [PYTHON, str(PROGRAMS / "tiny_train.py"), "--epochs", "2", "--n", "128",
+            "--ckpt-dir", str(workdir / "ckpt"), "--ema", "unsaved"]
+    # On its own the script saves at each epoch's end (4 steps); it fails at step 6.
+    first = run([*argv, "--fail-at-step", "6"], cwd=workdir)
+    assert first.returncode == 3, first.stderr[-3000:]
+    assert "in no checkpoint" not in first.stderr  # nothing was resumed: nothing to say
+    again = run(argv, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.startswith("start step 4 "), again.stdout[:200]
+    said = [line for line in again.stderr.splitlines() if "in no checkpoint" in line]
+    assert len(said) == 1 and said[0].endswith(
+        "resumed, but ema (AveragedModel, in main()) is in no checkpoint, so it starts "
+        "afresh: if it changes during training, pass it to the Checkpointer "
+        "(Checkpointer(..., ema=ema))"), again.stderr[-3000:]
+    # Handed to the Checkpointer: nothing to say on the resume.
+    saved = [*argv[:-1], "saved", "--ckpt-dir", str(workdir / "other")]
+    assert run([*saved, "--fail-at-step", "6"], cwd=workdir).returncode == 3
+    registered = run(saved, cwd=workdir)
+    assert registered.returncode == 0, registered.stderr[-3000:]
+    assert registered.stdout.startswith("start step 4 ") and \
+        "in no checkpoint" not in registered.stderr, registered.stderr[-3000:]

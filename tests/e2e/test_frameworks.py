@@ -197,3 +197,31 @@ def test_on_a_gpu_time_limit_cycles_resume_bit_identical(workdir: Path, framewor
     assert "engine: hooks" in res.stderr, res.stderr[:2000]
     assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
     assert_bit_identical(out_ref, out)
+
+
+def test_accelerate_with_gradient_accumulation_checks_exact_and_resumes_bit_identical(
+        workdir: Path):
+    needs("accelerate")
+    script = command("accelerate", "--accumulate", "2", "--epochs", "1")
+    # A stop asked for after the first micro-batch of a window waits for its end; one at the
+    # end of a window is taken there. Both resumes are exact.
+    for at, stopped in ((3, 4), (4, 4)):
+        done = run([*procckpt_argv(), "check", "--steps", "12", "--at", str(at), "--",
+                    *script], cwd=workdir, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+        assert done.stdout.startswith(f"exact: stopped in the middle of an epoch at step "
+                                      f"{stopped}, "), done.stdout
+        assert (f"asked to stop at step {at}, the run could take its checkpoint only at step "
+                f"{stopped}" in done.stdout) == (at != stopped), done.stdout
+    expected = reference(workdir, "accelerate", "--accumulate", "2")
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--max-restarts", "40", "--",
+               *command("accelerate", "--accumulate", "2", "--step-sleep", "0.5", "--out",
+                        str(out))], cwd=workdir, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
+    saved = [e["step"] for e in events(ckpt, "checkpoint")]
+    assert saved and all(step % 2 == 0 for step in saved), saved  # never inside a window
+    assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
+    assert_bit_identical(expected, out)

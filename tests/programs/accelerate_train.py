@@ -8,6 +8,7 @@ Prints "step N" after each step."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 
@@ -22,10 +23,14 @@ import procckpt
 
 def main() -> None:
     parser = framework_common.parser()
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="sum the gradients of this many micro-batches before each "
+                             "optimizer step (with accelerator.accumulate)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    accelerator = Accelerator(cpu=not args.cuda)
+    accelerator = Accelerator(cpu=not args.cuda,
+                              gradient_accumulation_steps=args.accumulate or 1)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
@@ -38,11 +43,12 @@ def main() -> None:
     marker = Path("hung-once")
     for _epoch in ckpt.epochs(args.epochs):
         for x, y in ckpt.batches(loader):
-            loss = nn.functional.cross_entropy(model(x), y)
-            optimizer.zero_grad()
-            accelerator.backward(loss)
-            optimizer.step()
-            scheduler.step()
+            with accelerator.accumulate(model) if args.accumulate else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             step = ckpt.step + 1

@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--stuck-worker-after", type=int, default=None,
                         help="a DataLoader worker blocks forever once it has loaded this many "
                              "samples (only on the first start)")
+    parser.add_argument("--ema", choices=("none", "unsaved", "saved"), default="none",
+                        help="keep an exponential moving average of the weights, in no "
+                             "checkpoint or handed to the Checkpointer")
     parser.add_argument("--start-seconds", type=float, default=0.0,
                         help="a slow start before Checkpointer() (imports, reading a config)")
     args = parser.parse_args()
@@ -57,8 +60,11 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(args.width, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = None if args.ema == "none" else torch.optim.swa_utils.AveragedModel(
+        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer,
-                                 save_every=args.save_every)
+                                 save_every=args.save_every,
+                                 **({"ema": ema} if args.ema == "saved" else {}))
     print(f"start step {ckpt.step} restart {os.environ.get('PROCCKPT_RESTART', '-')}", flush=True)
     if args.prepare_seconds:
         prepare_data(args.prepare_seconds)
@@ -68,6 +74,8 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            if ema is not None:
+                ema.update_parameters(model)
             if args.fail_at_step is not None and ckpt.step + 1 == args.fail_at_step \
                     and ckpt.restart == 0:
                 raise SystemExit(3)
@@ -86,7 +94,8 @@ def main() -> None:
             validate(model, x, args.validate_seconds)
     print("done", flush=True)
     if args.out:
-        torch.save(model.state_dict(), args.out)
+        torch.save(model.state_dict() if ema is None else
+                   {"model": model.state_dict(), "ema": ema.state_dict()}, args.out)
 
 
 def prepare_data(seconds: float) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import CommandNotFoundError, UsageError
+from ..protocol.control import CHECK_UNSAVED as UNSAVED
 from .runs import CheckInterrupted, Run, Runner, Signalled, last_step, signals_held, \
     signals_raise
 
@@ -73,16 +74,22 @@ def run_check(command: list[str], steps: int, at: int | None, keep: bool = False
             stops = _stops(a, steps, at)
             runner.expect(runner.done + 1 + 2 * len(stops))
             b = runner.run("b", steps, None, "again without a stop: is it deterministic?")
-            resumed = []
-            for name, stop_at in stops:
-                c = runner.run(name, steps, stop_at, f"stopped at step {stop_at}")
-                if last_step(c) != stop_at:
-                    raise UsageError(f"the command did not stop at step {stop_at} as asked: it "
-                                     f"went on to step {last_step(c)} (procckpt check --keep "
+            resumed, waited = [], []
+            for name, asked in stops:
+                c = runner.run(name, steps, asked, f"stopped at step {asked}")
+                stop_at = last_step(c)
+                if stop_at >= steps:
+                    raise UsageError(f"the command did not stop at step {asked} as asked: it "
+                                     f"went on to step {stop_at} (procckpt check --keep "
                                      "keeps its output)")
-                resumed.append((runner.run(name, steps, stop_at, f"resumed from step "
+                if stop_at != asked:  # no checkpoint at the step asked for (an accumulation)
+                    waited.append(f"asked to stop at step {asked}, the run could take its "
+                                  f"checkpoint only at step {stop_at} (a gradient "
+                                  "accumulation was in progress)")
+                resumed.append((runner.run(name, steps, asked, f"resumed from step "
                                            f"{stop_at}", again=c), stop_at))
             verdict = _verdict(a, b, resumed, steps)
+            verdict.details.extend(waited)
         runs = sum(run.seconds for run in (a, b, *(c for c, _ in resumed)))
         verdict.details.append(f"{2 + 2 * len(resumed)} runs of the command took {runs:.1f}s "
                                f"of the check's {time.monotonic() - started:.1f}s")
@@ -158,11 +165,15 @@ def _verdict(a: Run, b: Run, resumed: list[tuple[Run, int]], steps: int) -> Verd
                            f" at step {stop_at}, {_names(parts)} "
                            f"{'differ' if len(parts) > 1 else 'differs'} from step {step} on"
                            f"{_rank(rank, ranks)}",
-                           [*_likely_causes(parts, step, stop_at),
+                           [*_likely_causes(parts, step, stop_at, a.unsaved()),
                             *_per_rank(a, c, steps, ignore, ranks)])
-    parts = sorted(set(a.traces()[0][steps]) - ignore)
+    parts = sorted(p for p in set(a.traces()[0][steps]) - ignore if not p.startswith(UNSAVED))
     details = [f"compared after each step and in the checkpoint at step {steps}: "
                f"{', '.join(parts)}"]
+    if a.unsaved():
+        details.append(f"also compared after each step, though in no checkpoint: "
+                       f"{a.unsaved()}; a resume built them anew and they still matched (if "
+                       "they change in training, pass them to the Checkpointer)")
     if ignore:
         details.append(f"not compared: {', '.join(sorted(ignore))} (no run drew from them "
                        "after its start: a resume loses nothing there)")
@@ -251,9 +262,16 @@ def _rank(rank: int, ranks: list[int]) -> str:
     return f" (rank {rank})" if len(ranks) > 1 else ""
 
 
-def _likely_causes(parts: list[str], step: int, stop_at: int) -> list[str]:
+def _likely_causes(parts: list[str], step: int, stop_at: int, unsaved: str) -> list[str]:
     """What a resume that loses these parts from this step on usually means, in the script's
-    terms."""
+    terms (``unsaved``: what the script holds beside its checkpoint, described)."""
+    lost = [p.removeprefix(UNSAVED) for p in parts if p.startswith(UNSAVED)]
+    if lost:
+        keep = ", ".join(f"{name}={name}" for name in lost)
+        return [f"certain: {', '.join(lost)} {'is' if len(lost) == 1 else 'are'} in no "
+                f"checkpoint ({unsaved}), so a resume starts {'it' if len(lost) == 1 else 'them'}"
+                f" afresh: pass {'it' if len(lost) == 1 else 'them'} to the Checkpointer "
+                f"(Checkpointer(..., {keep}))"]
     rng = [p for p in parts if p.startswith("rng.")]
     causes = []
     if step == stop_at + 1 and rng:

@@ -63,6 +63,14 @@ class Run:
                 found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
         return found
 
+    def unsaved(self) -> str:
+        """What the script holds that no checkpoint does, as rank 0's trace describes it."""
+        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
+            described = json.loads(line).get("unsaved")
+            if described:
+                return str(described)
+        return ""
+
     def traces(self) -> dict[int, dict[int, dict[str, int]]]:
         """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
         by the stopped and the resumed process, keeps the later line)."""

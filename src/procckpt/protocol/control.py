@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
-           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "STACK_DUMP_SIGNAL"]
+           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "CHECK_UNSAVED",
+           "STACK_DUMP_SIGNAL"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
 ENV_DIR = "PROCCKPT_DIR"
@@ -55,6 +56,8 @@ ENV_ENGINE = "PROCCKPT_ENGINE_IN_USE"  # the engine procckpt run checkpoints the
 ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
 #: Set by ``procckpt check`` for its runs (JSON: where to stop, where to end, the trace).
 ENV_CHECK = "PROCCKPT_CHECK"
+#: In its traces: the parts that hold what the script keeps and no checkpoint does.
+CHECK_UNSAVED = "unsaved."
 
 #: Asks every process of the training to print its Python stacks (``faulthandler``). Its default
 #: action is to be ignored, so processes that did not register for it (torchrun's agent, a

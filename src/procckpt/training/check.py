@@ -13,16 +13,22 @@ steps, so both saves happen at the same step everywhere, without the ranks' agre
 from __future__ import annotations
 
 import json
+import logging
 import os
+import sys
 import zlib
 from typing import Any
 
 import torch
 
+from ..protocol.control import CHECK_UNSAVED as UNSAVED
 from ..protocol.control import ENV_CHECK
 from ..store.checksum import crc32
+from .unsaved import describe_unsaved, unsaved_statefuls
 
 __all__ = ["ENV_CHECK", "CheckHook", "NoCheck", "check_hook", "fingerprints"]
+
+logger = logging.getLogger(__name__)
 
 #: What the check's checkpoints are recorded with: the stop in the middle, the last one.
 STOP_REASON = "check-stop"
@@ -73,10 +79,30 @@ def _crc(value: Any, crc: int = 0) -> int:
 
 
 class NoCheck:
-    """Not under ``procckpt check``: nothing to record."""
+    """Not under ``procckpt check``: nothing to record; after a resume, rank 0 says once which
+    stateful objects of the script no checkpoint holds (training/unsaved.py)."""
+
+    #: A framework drives the loops and saves its own objects (training/driven.py).
+    driven = False
+
+    def __init__(self) -> None:
+        self._looked = False
 
     def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
-        pass
+        if self._looked:
+            return
+        self._looked = True
+        if ck.resumed_from is None or ck.rank != 0 or self.driven:
+            return
+        found = unsaved_statefuls(ck._statefuls, sys._getframe(1))
+        if found:
+            names = ", ".join(f"{name}={name}" for name in found)
+            logger.warning("resumed, but %s %s in no checkpoint, so %s afresh: if %s during "
+                           "training, pass %s to the Checkpointer (Checkpointer(..., %s))",
+                           describe_unsaved(found), "is" if len(found) == 1 else "are",
+                           "it starts" if len(found) == 1 else "they start",
+                           "it changes" if len(found) == 1 else "they change",
+                           "it" if len(found) == 1 else "them", names)
 
 
 class CheckHook:
@@ -85,6 +111,10 @@ class CheckHook:
     def __init__(self, end: int, stop_at: int | None, trace: str) -> None:
         self.end, self.stop_at, self.trace = end, stop_at, trace
         self._recorded: int | None = None
+        #: What the script holds beside its checkpoint (found at the first safe point): its
+        #: state is recorded as ``unsaved.NAME`` and compared like the rest.
+        self._unsaved: dict[str, tuple[Any, str]] | None = None
+        self.driven = False  # see NoCheck.driven
 
     def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
         """Record the state after this step; ``saves``: whether this is a point where a
@@ -96,12 +126,22 @@ class CheckHook:
         if step == self._recorded:  # an epoch's end after its last step: nothing new
             return
         self._recorded = step
-        line = {"step": step, "epoch": ck.epoch, "batch": ck.batch,
-                "parts": fingerprints(ck._payload()), **({} if saves else {"saves": False})}
+        if self._unsaved is None:
+            self._unsaved = {} if self.driven else unsaved_statefuls(ck._statefuls,
+                                                                     sys._getframe(1))
+        parts = fingerprints(ck._payload())
+        parts.update({f"{UNSAVED}{name}": _crc(obj.state_dict())
+                      for name, (obj, _) in self._unsaved.items()})
+        line = {"step": step, "epoch": ck.epoch, "batch": ck.batch, "parts": parts,
+                **({} if saves else {"saves": False}),
+                **({"unsaved": describe_unsaved(self._unsaved)} if self._unsaved else {})}
         with open(f"{self.trace}.{ck.rank}", "a") as f:  # every rank its own
             f.write(json.dumps(line) + "\n")
         # Every rank of a group gets here at the same step: the saves below are collective.
-        if step == self.stop_at and ck.resumed_from is None and saves:
+        # At stop_at, or at the first point after it where a checkpoint can be taken (inside
+        # a gradient accumulation it waits for the window's end).
+        if self.stop_at is not None and step >= self.stop_at and ck.resumed_from is None \
+                and saves:
             ck.save(STOP_REASON)
             self._leave(ck, ck._context.stop_exit_code)
         elif step >= self.end:

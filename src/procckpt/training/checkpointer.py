@@ -5,10 +5,10 @@
         for batch in ckpt.batches(loader):     # resumes at the exact next batch
             ...
 
-The Checkpointer is the front of the training side; its parts do the work: ``progress``
-(position and random streams), ``triggers`` (what asks for a checkpoint), ``saving``, ``resume``
-and ``payload`` (what ``state.pt`` holds), ``liveness`` and ``timing`` (for the launcher). It
-saves only at safe points: after each batch that ``batches`` yielded, and at each epoch's end.
+The Checkpointer is the front of the training side; its parts do the work: ``loops`` (the
+three loops), ``progress`` (position and random streams), ``triggers`` (what asks for a
+checkpoint), ``saving``, ``resume`` and ``payload`` (what ``state.pt`` holds), ``liveness`` and
+``timing`` (for the launcher). It saves only at safe points: after each batch that ``batches`` yielded, and at each epoch's end.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ..errors import ProcckptError, StorageError, logged_exit
@@ -27,6 +26,7 @@ from ..log import setup_logging
 from ..protocol import control as ctl
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
+from . import loops
 from .check import check_hook
 from .context import DEFAULT_DIR, LaunchContext, default_dir
 from .failures import open_control
@@ -137,6 +137,8 @@ class Checkpointer:
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
             self._in_batch = False
+            #: Whether the last micro-batch ended a gradient accumulation (accumulation.py).
+            self._window: Callable[[], bool] | None = None
             #: Set when procckpt itself ends the process (a planned stop, a storage failure).
             self._exiting = False
             self._background, group_writes = background_savers(
@@ -192,53 +194,14 @@ class Checkpointer:
         The end of each epoch is a safe point. After the last epoch a final checkpoint is
         saved and the run is marked complete.
         """
-        progress = self._progress
-        if self._finished:
-            return
-        self._progress.check_streams(self._journal)
-        if progress.epoch >= num_epochs:
-            if self.resumed_from is not None:
-                logger.info("training already finished (epoch %d of %d); nothing to do",
-                            progress.epoch, num_epochs)
-            progress.nothing_left()
-            self._finish()
-            return
-        first = progress.in_epochs = True
-        while progress.epoch < num_epochs:
-            progress.start_epoch(first)
-            first = False
-            try:
-                yield progress.epoch
-            except GeneratorExit:  # a break, an exception, or our own stop: only a break warns
-                if not (self._finished or self._exiting):
-                    progress.warn_left_early("epochs", sys._getframe(1))
-                raise
-            progress.end_epoch()
-            self._safe_point(epoch_end=True)
-        progress.in_epochs = False
-        self._finish()
+        return loops.epochs(self, num_epochs)
 
     def batches(self, loader: Iterable[T]) -> Iterator[T]:
         """Yield the loader's batches; on resume, start at the first batch not yet trained on.
 
         After each batch (when the loop body asks for the next one) is a safe point.
         """
-        progress = self._progress
-        if self._finished:
-            return
-        self._progress.check_streams(self._journal)
-        try:
-            iterator = progress.open_loader(loader, self._journal)
-        except ProcckptError as e:
-            self._exiting = True
-            raise logged_exit(e, logger) from None
-        for item in iterator:
-            self._in_batch = True
-            yield item
-            self._in_batch = False
-            progress.batch_done()
-            self._safe_point()
-        progress.end_pass()
+        return loops.batches(self, loader)
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield step numbers from the saved step (0 on a fresh start) up to ``total``: the
@@ -248,31 +211,7 @@ class Checkpointer:
         marks the run complete; inside ``epochs()`` they count the epoch's steps. What one step
         carries to the next (a batch fetched ahead) belongs in :attr:`extras`.
         """
-        progress = self._progress
-        if self._finished:
-            return
-        self._progress.check_streams(self._journal)
-        numbers = progress.open_range(total)
-        alone = not progress.in_epochs
-        if alone and progress.step >= total:
-            if self.resumed_from is not None:
-                logger.info("training already finished (step %d of %d); nothing to do",
-                            progress.step, total)
-            self._finish()
-            return
-        for number in numbers:
-            self._in_batch = True
-            try:
-                yield number
-            except GeneratorExit:
-                if alone and not (self._finished or self._exiting):
-                    progress.warn_left_early("steps", sys._getframe(1))
-                raise
-            self._in_batch = False
-            progress.batch_done()
-            self._safe_point()
-        if alone:
-            self._finish()
+        return loops.steps(self, total)
 
     def finish(self) -> None:
         """End training here: save a final checkpoint and mark the run complete, so that a

@@ -41,6 +41,9 @@ class DrivenLoop:
 
     def __init__(self, ckpt: Checkpointer) -> None:
         self.ckpt = ckpt
+        # The framework saves its own model and optimizers, which procckpt is not given: no
+        # object of the script is taken for one a checkpoint misses.
+        ckpt._check.driven = True
         self._opened = False
         #: Set while the loader is opened through procckpt, so that its own ``__iter__``
         #: (see :func:`positioned`) hands out the plain iterator.

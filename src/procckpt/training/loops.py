@@ -1,0 +1,99 @@
+"""The Checkpointer's loops: ``epochs()``, ``batches()`` and ``steps()``, with a safe point after
+each batch or step and at each epoch's end. The Checkpointer's methods return these; ``ck`` is
+that Checkpointer (typed Any: this module is below it)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+
+from ..errors import ProcckptError, logged_exit
+from .accumulation import window_ended
+
+__all__ = ["epochs", "batches", "steps"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def epochs(ck: Any, num_epochs: int) -> Iterator[int]:
+    progress = ck._progress
+    if ck._finished:
+        return
+    ck._progress.check_streams(ck._journal)
+    if progress.epoch >= num_epochs:
+        if ck.resumed_from is not None:
+            logger.info("training already finished (epoch %d of %d); nothing to do",
+                        progress.epoch, num_epochs)
+        progress.nothing_left()
+        ck._finish()
+        return
+    first = progress.in_epochs = True
+    while progress.epoch < num_epochs:
+        progress.start_epoch(first)
+        first = False
+        try:
+            yield progress.epoch
+        except GeneratorExit:  # a break, an exception, or our own stop: only a break warns
+            if not (ck._finished or ck._exiting):
+                progress.warn_left_early("epochs", sys._getframe(1))
+            raise
+        progress.end_epoch()
+        if ck._window is None or ck._window():  # (an accumulation across epochs: no)
+            ck._safe_point(epoch_end=True)
+    progress.in_epochs = False
+    ck._finish()
+
+
+def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
+    progress = ck._progress
+    if ck._finished:
+        return
+    ck._progress.check_streams(ck._journal)
+    try:
+        iterator = progress.open_loader(loader, ck._journal)
+    except ProcckptError as e:
+        ck._exiting = True
+        raise logged_exit(e, logger) from None
+    ck._window = window = window_ended()
+    for item in iterator:
+        ck._in_batch = True
+        yield item
+        ck._in_batch = False
+        progress.batch_done()
+        if window is None or window():
+            ck._safe_point()
+        else:  # inside a gradient accumulation: its summed gradients are in no checkpoint
+            ck._check.at_safe_point(ck, False, saves=False)  # under procckpt check only
+    progress.end_pass()
+
+
+def steps(ck: Any, total: int) -> Iterator[int]:
+    progress = ck._progress
+    if ck._finished:
+        return
+    ck._progress.check_streams(ck._journal)
+    numbers = progress.open_range(total)
+    alone = not progress.in_epochs
+    if alone and progress.step >= total:
+        if ck.resumed_from is not None:
+            logger.info("training already finished (step %d of %d); nothing to do",
+                        progress.step, total)
+        ck._finish()
+        return
+    for number in numbers:
+        ck._in_batch = True
+        try:
+            yield number
+        except GeneratorExit:
+            if alone and not (ck._finished or ck._exiting):
+                progress.warn_left_early("steps", sys._getframe(1))
+            raise
+        ck._in_batch = False
+        progress.batch_done()
+        ck._safe_point()
+    if alone:
+        ck._finish()
