@@ -27,7 +27,9 @@ def one_line_error(result) -> str:
     (["run", "--config", "missing.yaml", "--", "true"], 2, "config file missing.yaml does not"),
     (["run"], 2, "Missing argument 'COMMAND...'"),
     (["run", "--", "no-such-binary-here"], 127, "command not found: no-such-binary-here"),
-    (["status", "nowhere"], 2, "is not a procckpt checkpoint dir"),
+    (["status", "nowhere"], 2, "nowhere does not exist: give the checkpoint dir of a run"),
+    (["report", "nowhere"], 2, "nowhere does not exist: give the checkpoint dir of a run"),
+    (["status", "."], 2, "is not a procckpt checkpoint dir (no .procckpt marker)"),
 ])
 def test_bad_input_gets_one_line(workdir: Path, args, expected_code, says):
     result = run([*procckpt_argv(), *args], cwd=workdir)
@@ -89,3 +91,24 @@ def test_the_launcher_side_never_imports_torch(tmp_path: Path, argv: list[str]):
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "torch imported: False" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("journal", [
+    b"\x8b\x00garbage\xff\n" * 3,  # random bytes
+    b'{"event": "start", "time": 1000.0, "job_id": nu\n',  # its launch line cut by a crash
+])
+def test_a_damaged_journal_is_said_with_how_many_lines_are_unreadable(workdir: Path,
+                                                                      journal: bytes):
+    ckpt = workdir / "ckpt"
+    assert run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", "true"],
+               cwd=workdir).returncode == 0
+    (ckpt / "events.jsonl").write_bytes(journal)
+    lines = journal.count(b"\n")
+    says = (f"{lines} line{'s' if lines > 1 else ''} of its journal (events.jsonl) "
+            f"{'are' if lines > 1 else 'is'} unreadable (cut short by a crash, or damaged)")
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert status.returncode == 0 and f"journal:        {says}" in status.stdout, status.stdout
+    report = run([*procckpt_argv(), "report", str(ckpt)], cwd=workdir)
+    assert report.returncode == 0, report.stderr
+    page = (ckpt / "report.html").read_text()
+    assert says[0].upper() + says[1:] in page and "No launch in the journal yet" in page

@@ -9,7 +9,9 @@ ticks above it, and how it ended.
 
 from __future__ import annotations
 
+import bisect
 import html
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +20,7 @@ from .durations import format_duration
 from .errors import StoreError
 from .goodput import KINDS, Goodput, Segment, compute_goodput
 from .protocol.events import read_events
-from .status import LABELS, status_data
-from .store import MARKER
+from .status import LABELS, damaged_journal, opened_for_reading, status_data
 from .store.files import write_file_atomic
 
 __all__ = ["render_report", "write_report", "COLOURS"]
@@ -61,13 +62,15 @@ def write_report(root: Path, output: Path | None = None) -> Path:
 
 def render_report(root: Path) -> str:
     """The HTML page for checkpoint dir ``root``."""
-    if not (root / MARKER).exists():
-        raise StoreError(f"{root} is not a procckpt checkpoint dir (no {MARKER} marker)")
+    store = opened_for_reading(root)
     data = status_data(root, events=0, verify=False)
     history = list(read_events(root / "events.jsonl"))
     goodput = compute_goodput(history, now=time.time() if data["state"] == "running" else None)
     title = f"procckpt: {root.resolve().name}"
     body = [f"<h1>{_e(title)}</h1>", f"<p class=dir>{_e(data['dir'])} · {_e(data['state'])}</p>"]
+    damage = damaged_journal(store)
+    if damage is not None:
+        body.append(f"<p class=warn>{_e(damage[0].upper() + damage[1:])}.</p>")
     if goodput is None or goodput.wall <= 0:
         body.append("<p>No launch in the journal yet: run it under <code>procckpt run</code>.</p>")
     else:
@@ -171,9 +174,12 @@ def _timeline(g: Goodput) -> str:
 def _waits_before(g: Goodput) -> list[list[Segment]]:
     """The time outside cycles, each stretch drawn in the row of the cycle that follows it."""
     out: list[list[Segment]] = [[] for _ in g.cycles]
+    # The first cycle that starts once the stretch ended, by bisection over the cycles' starts
+    # (in order; a running maximum keeps the search right if a clock stepped back).
+    starts = list(itertools.accumulate((c.start for c in g.cycles), max))
     for s in g.between:
-        following = next((i for i, c in enumerate(g.cycles) if c.start >= s.end - 1e-6), None)
-        if following is not None:
+        following = bisect.bisect_left(starts, s.end - 1e-6)
+        if following < len(starts):
             out[following].append(s)
         elif g.cycles:
             out[-1].append(s)
@@ -248,7 +254,7 @@ h1 {{ font-size: 20px; margin: 0 0 4px; }} h2 {{ font-size: 16px; margin: 22px 0
 .legend {{ list-style: none; padding: 0; display: flex; flex-wrap: wrap; gap: 6px 22px; }}
 .legend li {{ display: flex; align-items: center; gap: 6px; }} .legend span {{ color: #616161; }}
 .label, .axis {{ font-size: 12px; fill: #424242; }} .crash {{ font-size: 13px; fill: #b71c1c; }}
-.mark {{ font-size: 11px; fill: #b71c1c; }}
+.mark {{ font-size: 11px; fill: #b71c1c; }} .warn {{ color: #b71c1c; }}
 table {{ border-collapse: collapse; font-size: 12px; }}
 td, th {{ border-bottom: 1px solid #e0e0e0; padding: 3px 8px; text-align: right; }}
 </style></head>

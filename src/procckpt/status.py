@@ -10,7 +10,7 @@ from typing import Any
 from .durations import format_duration
 from .errors import CheckpointReadError, StoreError
 from .goodput import Goodput, compute_goodput
-from .protocol.events import read_events
+from .protocol.events import read_events, unreadable_lines
 from .store import MARKER, CheckpointStore
 from .store.store import format_size
 
@@ -20,7 +20,7 @@ __all__ = ["render_status", "status_data", "LABELS"]
 def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str, Any]:
     """What ``procckpt status --json`` prints: the run's state and goodput, its checkpoints
     (newest first) and its last ``events`` events."""
-    store = _opened(root)
+    store = opened_for_reading(root)
     now = time.time()
     history = list(read_events(store.events_path))
     complete = store.completion()
@@ -46,7 +46,7 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
 
 def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     """Return the status report for the checkpoint directory ``root``."""
-    store = _opened(root)
+    store = opened_for_reading(root)
     now = time.time()
     lines = [f"checkpoint dir: {store.root}"]
     complete = store.completion()
@@ -64,6 +64,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     goodput = compute_goodput(history, now=now if holder and not complete else None)
     if goodput is not None and goodput.wall > 0:
         lines += _goodput_lines(goodput)
+    if (damage := damaged_journal(store)) is not None:
+        lines.append(f"journal:        {damage}")
     rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
     for c in _checkpoints(store, history, verify):
         write = c["write_seconds"]
@@ -133,11 +135,31 @@ def _goodput_lines(goodput: Goodput) -> list[str]:
             "                " + (" · ".join(parts) if parts else "nothing else")]
 
 
-def _opened(root: Path) -> CheckpointStore:
+def opened_for_reading(root: Path) -> CheckpointStore:
+    """The checkpoint dir ``root``, read as it is (nothing created or changed).
+
+    Raises:
+        StoreError: it does not exist, or is no procckpt checkpoint dir.
+    """
     store = CheckpointStore(root)
+    if not store.root.exists():
+        raise StoreError(f"{store.root} does not exist: give the checkpoint dir of a run (its "
+                         "procckpt run --dir; by default ./procckpt-checkpoints)")
+    if not store.root.is_dir():
+        raise StoreError(f"{store.root} is a file, not a checkpoint dir")
     if not (store.root / MARKER).exists():
         raise StoreError(f"{store.root} is not a procckpt checkpoint dir (no {MARKER} marker)")
     return store
+
+
+def damaged_journal(store: CheckpointStore) -> str | None:
+    """'N lines of the journal are unreadable (...)', or None when every line reads."""
+    bad = unreadable_lines(store.events_path)
+    if not bad:
+        return None
+    return (f"{bad} line{'s' if bad > 1 else ''} of its journal ({store.events_path.name}) "
+            f"{'are' if bad > 1 else 'is'} unreadable (cut short by a crash, or damaged): what "
+            f"{'they' if bad > 1 else 'it'} said is left out")
 
 
 def _count(history: list[dict[str, Any]], kind: str) -> int:

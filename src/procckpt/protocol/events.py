@@ -51,14 +51,28 @@ def read_events(path: Path) -> Iterator[dict[str, Any]]:
         return
 
 
+def unreadable_lines(path: Path) -> int:
+    """How many lines of the journal are no event (cut short by a crash, or damaged)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.strip() and not _event(line))
+    except FileNotFoundError:
+        return 0
+
+
+def _event(line: bytes) -> dict[str, Any] | None:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
 def _parsed(lines: Iterable[bytes]) -> Iterator[dict[str, Any]]:
     """The events among ``lines``; a line a crash cut short (or any other junk) is skipped."""
     for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict):
+        event = _event(line)
+        if event is not None:
             yield event
 
 
