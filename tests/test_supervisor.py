@@ -383,6 +383,26 @@ def test_the_same_failure_again_and_again_backs_off_then_stops(tmp_path: Path):
     assert world.now - 1000.0 == pytest.approx(3 * 5 + 2 + 4, abs=0.5)
 
 
+def test_failures_whose_exit_code_alternates_are_no_progress_either(tmp_path: Path):
+    crashes = [Cycle(exits_at=5.0, code=code) for code in (3, 4, 3, 4, 3, 4)]
+    world, result, _ = supervise(tmp_path, crashes, time_limit=None, interval=None,
+                                 restart_on_failure=True)
+    assert result.reason is ExitReason.FAILED and result.exit_code == 3
+    assert result.cycles == 3, result.message
+    assert result.message.startswith("the command failed 3 times in a row (exit codes 3, 4) "
+                                     "with no new checkpoint in between"), result.message
+    assert world.now - 1000.0 == pytest.approx(3 * 5 + 2 + 4, abs=0.5)  # backed off
+
+
+def test_restarts_after_failures_that_run_out_say_so(tmp_path: Path):
+    crashes = [Cycle(exits_at=5.0, code=code) for code in (3, 4)]
+    _, result, _ = supervise(tmp_path, crashes, time_limit=None, interval=None,
+                             restart_on_failure=True, max_restarts=1)
+    assert result.reason is ExitReason.FAILED and result.exit_code == 4
+    assert result.message.startswith("the command failed with exit code 4, and --max-restarts "
+                                     "1 is spent (1 restart in this launch)"), result.message
+
+
 # -- a lost node ------------------------------------------------------------------------------
 
 def test_a_rank_failed_and_a_node_lost_while_the_command_waits_requeues_the_job(tmp_path: Path):

@@ -90,8 +90,9 @@ class Supervisor:
         self.cycles = 0
         #: Failures restarted by --restart-on-failure: the last one's (exit code, newest
         #: checkpoint's step), and how often in a row it came so.
-        self._last_failure: tuple[int, int | None] | None = None
-        self._same_failures = 0
+        self._last_failure: int | None = None  # the newest checkpoint's step at the last
+        self._same_failures = 0  # failures in a row from there, and their exit codes:
+        self._failure_codes: list[int] = []
         #: A run on several nodes, each with its launcher: this one, node 0's, leads.
         self.board = LeaderBoard(store.control_dir, config.nodes) if config.nodes > 1 else None
 
@@ -281,16 +282,22 @@ class Supervisor:
                               "call ckpt.finish() before break")
         ended = exit_words(code)
         if self.config.restart_on_failure and restarts < self.config.max_restarts:
-            # The same failure again, from the same checkpoint: it will most likely repeat.
-            where = (code, self._latest_step())
-            self._same_failures = self._same_failures + 1 if where == self._last_failure else 1
+            # Failures with no new checkpoint in between, whatever their exit codes (a crash
+            # whose code alternates is no progress either): they will most likely repeat.
+            where = self._latest_step()
+            self._same_failures = self._same_failures + 1 \
+                if self._failure_codes and where == self._last_failure else 1
+            self._failure_codes = [*self._failure_codes[:self._same_failures - 1], code]
             self._last_failure = where
             if self._same_failures >= SAME_FAILURE_LIMIT:
+                codes = sorted(set(self._failure_codes))
                 return self._exit(code, ExitReason.FAILED,
-                                  f"the command {ended} {self._same_failures} times in a row "
-                                  "with no new checkpoint in between, so it would fail again: "
-                                  f"not restarted. Fix the cause; running the same command "
-                                  f"again {self._resumes_from(verb='resumes')}", error=True)
+                                  f"the command failed {self._same_failures} times in a row "
+                                  f"(exit code{'s' if len(codes) > 1 else ''} "
+                                  f"{', '.join(map(str, codes))}) with no new checkpoint in "
+                                  "between, so it would fail again: not restarted. Fix the "
+                                  "cause; running the same command again "
+                                  f"{self._resumes_from(verb='resumes')}", error=True)
             delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 1))
             logger.warning("the command %s; restarting in %s (--restart-on-failure): the next "
                            "cycle %s", ended, format_duration(delay), self._resumes_from())
@@ -298,7 +305,9 @@ class Supervisor:
                          cause="failure", exit_code=code)
             self._carried_signals += self._sleep(delay)
             return None
-        hint = ("" if self.config.restart_on_failure
+        hint = (f", and --max-restarts {self.config.max_restarts} is spent ({restarts} "
+                f"restart{'' if restarts == 1 else 's'} in this launch)"
+                if self.config.restart_on_failure
                 else ", not restarted (see --restart-on-failure)")
         return self._exit(code, ExitReason.FAILED,
                           f"the command {ended}{hint}; running the same command again "
