@@ -360,6 +360,21 @@ def test_a_local_time_limit_restarts_here_while_the_job_has_time():
     assert verdict.decision is Decision.RESTART_HERE and fake.requeues() == []
 
 
+def test_a_stop_for_the_jobs_end_is_requeued_however_long_before_it_the_lead_asked():
+    # --time-limit 900s in a job that ends in 600 s: the job's end comes first. The measured
+    # lead (a slow write, a long validation) asked for the checkpoint 120 s before it, so 115 s
+    # are left after it: far more than the grace, yet the job's end it was, not the local one.
+    clock = Clock()
+    fake = FakeSlurm()
+    policy = policy_for(fake, end=NOW + 600, local_limit=900.0, clock=clock)
+    clock.wall = NOW + 485
+    assert policy.classify(StopCause.DEADLINE, None) is StopKind.TIME_LIMIT
+    assert policy.after_stop(StopCause.DEADLINE, None, 0).decision is Decision.REQUEUED
+    # The same cycle with the local limit first (it ends at 300 s) restarts here.
+    local = policy_for(FakeSlurm(), end=NOW + 600, local_limit=300.0, clock=Clock())
+    assert local.classify(StopCause.DEADLINE, None) is StopKind.LOCAL_LIMIT
+
+
 # -- start-up warnings ------------------------------------------------------------------------
 SHARED_MOUNTS = ("/dev/sda1 / ext4 rw 0 0\nnfs:/home /home nfs4 rw 0 0\n"
                  "tmpfs /scratch/ram tmpfs rw 0 0\n")

@@ -47,6 +47,9 @@ class SlurmDeadline:
         self.job_started: float | None = None
         self.source = job.env.label + (f" and --time-limit {local_limit:g}s"
                                        if local_limit is not None else "")
+        #: Whether --time-limit ends this cycle before the job's end does (by more than
+        #: NEAR_END), as last worked out: a stop for the deadline is then the local one's.
+        self.local_first = False
 
     @property
     def kill_wait(self) -> float | None:
@@ -66,11 +69,11 @@ class SlurmDeadline:
     def end(self, cycle_started: float, now: float) -> float | None:
         if now >= self._next_read:
             self._read(now)
-        ends = []
-        if self.end_wall is not None:
-            ends.append(now + (self.end_wall - self._wall()))
-        if self.local_limit is not None:
-            ends.append(cycle_started + self.local_limit)
+        job_end = None if self.end_wall is None else now + (self.end_wall - self._wall())
+        local_end = None if self.local_limit is None else cycle_started + self.local_limit
+        self.local_first = local_end is not None and (job_end is None
+                                                      or local_end < job_end - NEAR_END)
+        ends = [end for end in (job_end, local_end) if end is not None]
         return min(ends) if ends else None
 
     def seconds_left(self) -> float | None:

@@ -42,12 +42,10 @@ class SlurmRequeue:
 
     def classify(self, cause: StopCause, signal_name: str | None) -> StopKind:
         if cause is StopCause.DEADLINE:
-            left = self.deadline.seconds_left()
-            slurm_near = left is not None and left <= self.config.grace_for(
-                self.deadline.limit) + NEAR_END
-            if self.deadline.local_limit is not None and not slurm_near:
-                return StopKind.LOCAL_LIMIT
-            return StopKind.TIME_LIMIT
+            # Whichever end the stop was asked for: its lead (the measured write and the
+            # longest gap between safe points) may be far longer than the grace, so the time
+            # left after the checkpoint does not tell the two apart.
+            return StopKind.LOCAL_LIMIT if self.deadline.local_first else StopKind.TIME_LIMIT
         if signal_name == self.checkpoint_signal and signal_name != "SIGTERM":
             return StopKind.TIME_LIMIT  # Slurm's --signal=B:SIG@T warning
         left = self.deadline.seconds_left()
