@@ -208,3 +208,21 @@ def test_a_failure_while_every_follower_beats_is_the_scripts_own(tmp_path: Path)
                                  interval=None, nodes_count=2, at=beats)
     assert result.exit_code == 1 and result.reason is ExitReason.FAILED, result.message
     assert "node-lost" not in [e["event"] for e in read_events(world.store.events_path)]
+
+
+def test_a_follower_that_never_started_is_said_and_a_sigterm_is_blamed_for_the_stop(
+        tmp_path: Path, caplog):
+    # Node 1's launcher was never started: its ranks never join, so the stop's checkpoint
+    # cannot come. The start says whose launcher is missing; the end blames the SIGTERM.
+    stuck = Cycle(confirm_after=1e9)  # connected, but its checkpoint never comes
+    with caplog.at_level("WARNING", logger="procckpt"):
+        world, result, _ = supervise(tmp_path, [stuck], time_limit=None, interval=None,
+                                     hang_timeout=None, nodes_count=2,
+                                     at={40.0: lambda: signal.SIGTERM})
+    said = [r.getMessage() for r in caplog.records if "has not been heard from" in r.getMessage()]
+    assert said == ["the launcher of node 1 has not been heard from since this one started: "
+                    "the command waits for the ranks there. Start procckpt run --nodes N "
+                    "--node-rank K with the same --dir on each node"], said
+    assert result.exit_code == 75, result.message
+    assert result.message.startswith("no checkpoint was taken after SIGTERM"), result.message
+    assert "node-lost" not in [e["event"] for e in read_events(world.store.events_path)]

@@ -235,14 +235,16 @@ class Supervisor:
         if outcome.finished or outcome.confirmed is not None or outcome.forwarded:
             return []
         if outcome.hung or outcome.stop_cause is not None or outcome.exit_code not in (0, EX_IOERR):
-            return self._find_lost_nodes()
+            # A stop a signal asked for ended the cycle whatever a silent launcher elsewhere
+            # means (one that never started, say): the signal is what the end is said of.
+            return self._find_lost_nodes(silent=outcome.stop_cause is not StopCause.SIGNAL)
         return []
 
-    def _find_lost_nodes(self) -> list[object]:
-        """The scheduler's lost nodes; on several nodes with a launcher each, also the nodes
-        whose launcher went silent."""
+    def _find_lost_nodes(self, silent: bool = True) -> list[object]:
+        """The scheduler's lost nodes; on several nodes with a launcher each, also (with
+        ``silent``) the nodes whose launcher went silent."""
         lost = list(self.policy.lost_nodes())
-        if self.board is not None:
+        if self.board is not None and silent:
             lost += self.board.silent_nodes()
         return lost
 
@@ -420,7 +422,8 @@ class Supervisor:
                            term_timeout=self.config.term_timeout,
                            reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks,
                            lost_nodes=self._find_lost_nodes,
-                           peer_stops=self.board.stop_requests if self.board else None)
+                           peer_stops=self.board.stop_requests if self.board else None,
+                           unheard_peers=self.board.unheard if self.board else None)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
         self._carried_signals = watch.carried

@@ -80,9 +80,12 @@ class CycleWatch:
     lost_nodes: Callable[[], Sequence[object]] | None = None
     #: What the other nodes' launchers asked of this cycle (protocol/group.py), on several.
     peer_stops: Callable[[], list[dict[str, Any]]] | None = None
+    #: The other nodes whose launcher has not been heard from since this one started.
+    unheard_peers: Callable[[], list[int]] | None = None
     outcome: CycleOutcome = field(default_factory=lambda: CycleOutcome(exit_code=-1))
     stop: _Stop | None = None
     sigints: int = 0
+    said_unheard: bool = False
     #: Signals that arrived while a hung command printed its stacks: for the next cycle.
     carried: list[int] = field(default_factory=list)
 
@@ -113,6 +116,7 @@ class CycleWatch:
                 self._learn()
                 self._on_time(now, trigger_at)
                 self._on_peer_stop(now)
+                self._on_unheard_peers()
                 rc = self._follow_stop(now)
                 if rc is None and self.stop is None:
                     rc = self._check_hang(now)
@@ -190,6 +194,19 @@ class CycleWatch:
             name = f"{asked[0].get('reason')} on node {asked[0].get('node')}"
             self.outcome.stop_cause, self.outcome.stop_signal = StopCause.SIGNAL, name
             self._begin_stop(name, now)
+
+    def _on_unheard_peers(self) -> None:
+        """Say once a cycle which nodes' launchers never started: their ranks are waited for."""
+        if self.unheard_peers is None or self.said_unheard:
+            return
+        unheard = self.unheard_peers()
+        if unheard:
+            self.said_unheard = True
+            nodes = ", ".join(map(str, unheard))
+            logger.warning("the launcher of node%s %s has not been heard from since this one "
+                           "started: the command waits for the ranks there. Start procckpt run "
+                           "--nodes N --node-rank K with the same --dir on each node",
+                           "s" if len(unheard) > 1 else "", nodes)
 
     def _learn(self) -> None:
         """Follow the journal: a measured checkpoint may change the period and the lead."""

@@ -86,6 +86,8 @@ class LeaderBoard:
         #: Each follower's last beat seen, when (this clock) it was new, and whether it was seen
         #: to change (a beat seen once may be an old one).
         self._heard: dict[int, tuple[Any, float, bool]] = {}
+        #: Each follower's beat at this launcher's first look, and when that was.
+        self._first: tuple[dict[int, Any], float] | None = None
 
     def _say(self, state: str, **fields: Any) -> None:
         write_json(self.dir, LEADER_FILE, {"launch": self.launch, "nodes": self.nodes,
@@ -105,6 +107,19 @@ class LeaderBoard:
     def stop_requests(self) -> list[dict[str, Any]]:
         """What followers asked of the running cycle (:func:`ask_stop`), by node."""
         return stop_requests(self.dir, self.token) if self.token else []
+
+    def unheard(self, after: float = NODE_SILENT) -> list[int]:
+        """The followers whose launcher has not beaten since the first look, once ``after``
+        seconds have passed since it (a beat left by an earlier launch does not count);
+        without waiting."""
+        beats, now = read_beats(self.dir), self._clock()
+        if self._first is None:
+            self._first = (beats, now)
+        first, since = self._first
+        if now - since < after:
+            return []
+        return [node for node in range(1, self.nodes)
+                if node not in beats or beats[node] == first.get(node)]
 
     def silent_nodes(self, silence: float = NODE_SILENT) -> list[SilentNode]:
         """The followers whose launcher has not beaten for ``silence`` seconds: asked after
