@@ -65,6 +65,92 @@ def test_no_module_imports_itself_through_others():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
+def all_imports(path: Path) -> set[str]:
+    """The procckpt modules ``path`` imports anywhere: at module level and inside functions
+    (a deferred import is still a dependency)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            for alias in node.names:
+                candidate = f"{target}.{alias.name}"
+                found.add(candidate if _is_module(candidate) else target)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m.startswith("procckpt") and m != name}
+
+
+def test_no_cycle_even_through_imports_inside_functions():
+    graph = {module_name(p): all_imports(p) for p in PACKAGE.rglob("*.py")}
+    done: set[str] = set()
+
+    def visit(node: str, trail: list[str]) -> None:
+        assert node not in trail, "import cycle: " + " -> ".join(trail[trail.index(node):] +
+                                                                 [node])
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [])
+
+
+#: What each part of the package may import, inside functions too (docs/architecture.md):
+#: the store at the bottom, the protocol on it, the launcher and the schedulers on that, the
+#: training side beside them (it asks schedulers/slurm for the first node's address, the one
+#: Slurm read it makes), the readers of a checkpoint dir and the commands on top.
+BASE = {"errors", "durations", "log"}
+MAY_IMPORT = {
+    "errors": set(), "durations": {"errors"}, "log": set(),
+    "store": BASE,
+    "protocol": BASE | {"store"},
+    "launcher": BASE | {"store", "protocol"},
+    "schedulers": BASE | {"store", "protocol", "launcher"},
+    "training": BASE | {"store", "protocol", "schedulers"},
+    "integrations": BASE | {"store", "protocol", "training"},
+    "goodput": BASE | {"store", "protocol"},
+    "status": BASE | {"store", "protocol", "goodput"},
+    "report": BASE | {"store", "protocol", "goodput", "status"},
+    "check": BASE | {"store", "protocol", "launcher", "training"},
+    "procckpt": BASE | {"training"},  # the package's __init__: the script's API
+}
+
+
+def test_no_part_imports_upward_even_inside_a_function():
+    upward = []
+    for path in PACKAGE.rglob("*.py"):
+        name = module_name(path)
+        part = name.split(".")[1] if "." in name else "procckpt"
+        if part in ("cli", "__main__"):
+            continue  # the commands: on top of everything
+        for target in all_imports(path):
+            other = target.split(".")[1] if "." in target else "procckpt"
+            if other != part and other not in MAY_IMPORT[part]:
+                upward.append(f"{name} -> {target}")
+    assert not upward, f"imports above their floor: {upward}"
+
+
+def test_engines_and_deadlines_are_used_through_what_their_base_declares():
+    """Every hook of an engine and every property of a deadline is declared on its base
+    (launcher/engines/__init__.py, launcher/deadline.py): none is probed for."""
+    probes = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr" \
+                    and node.args and any(word in ast.unparse(node.args[0]).lower()
+                                          for word in ("engine", "deadline")):
+                probes.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
+    assert not probes, f"getattr on an engine or a deadline: {probes}"
+
+
 def test_every_module_says_its_job_first():
     for path in PACKAGE.rglob("*.py"):
         if path.name == "__main__.py":

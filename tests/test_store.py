@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from procckpt.errors import CheckpointCorruptError, LockedError, StoreError
+from procckpt.protocol.events import append_event
 from procckpt.store import CheckpointStore
 
 
@@ -46,7 +47,7 @@ def test_abandoned_checkpoint_is_not_visible_and_is_cleaned(tmp_path: Path):
 
 @pytest.mark.parametrize("damage", ["truncate", "zero", "bitflip", "manifest", "missing"])
 def test_damaged_newest_falls_back_to_previous_loudly(tmp_path: Path, damage: str, caplog):
-    store = CheckpointStore(tmp_path / "d").open()
+    store = CheckpointStore(tmp_path / "d", journal=append_event).open()
     commit(store, os.urandom(5000), step=1)
     newest = commit(store, os.urandom(5000), step=2)
     target = store.ckpt_root / newest / "state.pt"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from procckpt.launcher.config import RunConfig
-from procckpt.launcher.deadline import LocalDeadline, NoDeadline
-from procckpt.launcher.engines import Confirmation
+from procckpt.launcher.deadline import Deadline, LocalDeadline, NoDeadline
+from procckpt.launcher.engines import Confirmation, Engine
 from procckpt.launcher.interval import FIRST_AUTO_MAX, young_daly
 from procckpt.protocol.control import Heartbeat
 from procckpt.protocol.group import LeaderBoard
@@ -74,6 +74,7 @@ class World:
 
 class FakeChild:
     pid = 4242
+    signalled = False  # (the launcher's own signals are in world.killed_with)
 
     def __init__(self, world: World, argv: list[str], env: dict[str, str]) -> None:
         self.world = world
@@ -115,8 +116,9 @@ class FakeChild:
         pass
 
 
-class FakeEngine:
+class FakeEngine(Engine):
     name = "hooks"
+    reports_progress = True
 
     def __init__(self, world: World) -> None:
         self.world = world
@@ -354,7 +356,7 @@ def test_a_grace_shorter_than_a_measured_checkpoint_is_widened_and_said(tmp_path
     assert caplog.text.count("pass --grace") == 1 and "pass --grace 47s" in caplog.text
 
 
-class LearnedLimit:
+class LearnedLimit(Deadline):
     """A scheduler's deadline: its limit is known only once it has been asked (Slurm's)."""
 
     source = "a scheduler"

@@ -18,6 +18,7 @@ from .launcher.engines import Engine
 from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
 from .log import setup_logging
 from .launcher.restart import LocalRestart, RestartPolicy
+from .protocol.events import append_event
 from .store import CheckpointStore
 
 __all__ = ["main", "cli"]
@@ -84,7 +85,7 @@ def run_command(config: RunConfig) -> int:
     exe = config.command[0]
     if "/" not in exe and shutil.which(exe) is None:
         raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
-    store = CheckpointStore(config.dir, keep=config.keep).open()
+    store = CheckpointStore(config.dir, keep=config.keep, journal=append_event).open()
     if config.node_rank > 0:  # node 0's launcher holds the lock and leads
         from .launcher.follower import Follower
 

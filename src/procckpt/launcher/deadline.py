@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 __all__ = ["Deadline", "NoDeadline", "LocalDeadline"]
 
 
-class Deadline(Protocol):
+class Deadline:
+    """When a cycle must end, and what is known of the limit behind it. Every property the
+    launcher reads is declared here; a source that does not know one leaves it None."""
+
     #: Where the end time comes from, for messages ("--time-limit 90s", "Slurm job 42").
-    source: str
+    source: str = "no time limit"
+    #: The length of a cycle (the default grace is a quarter of it, at most 60 s).
+    limit: float | None = None
+    #: Seconds between the scheduler's SIGTERM and its SIGKILL, where it says.
+    kill_wait: float | None = None
+    #: Seconds before the end at which the job script's own signal comes, where it has one.
+    signal_lead: float | None = None
+    #: When the scheduler started this run of the job (epoch seconds), for the goodput.
+    job_started: float | None = None
 
     def end(self, cycle_started: float, now: float) -> float | None:
         """The cycle's end as a ``time.monotonic()`` value, or None for no end.
@@ -17,16 +26,14 @@ class Deadline(Protocol):
         Called on every turn of the supervisor's loop; implementations that ask an outside
         party (a scheduler) cache the answer and re-ask only now and then.
         """
-
-
-class NoDeadline:
-    source = "no time limit"
-
-    def end(self, cycle_started: float, now: float) -> float | None:
         return None
 
 
-class LocalDeadline:
+class NoDeadline(Deadline):
+    source = "no time limit"
+
+
+class LocalDeadline(Deadline):
     """Each cycle may run ``limit`` seconds, as a scheduler's time limit would allow."""
 
     def __init__(self, limit: float) -> None:

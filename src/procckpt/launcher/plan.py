@@ -37,11 +37,10 @@ class CheckpointPlan:
     @property
     def lead(self) -> Lead:
         """The deadline's lead now: the deadline may learn its limit (a Slurm job's) late."""
-        limit = getattr(self.deadline, "limit", None)
+        limit = self.deadline.limit
         return deadline_lead(self.config.grace_for(limit), self.costs.longest_durable,
-                             self._step_seconds, limit,
-                             getattr(self.deadline, "kill_wait", None),
-                             getattr(self.deadline, "signal_lead", None), self._gap)
+                             self._step_seconds, limit, self.deadline.kill_wait,
+                             self.deadline.signal_lead, self._gap)
 
     def refresh(self, step_seconds: float | None, gap: float | None = None, *,
                 warn_cycle: int | None = None) -> bool:

@@ -121,7 +121,7 @@ class Supervisor:
         room = self.store.room_shortfall()
         if room is not None:
             logger.warning("%s", room)
-        if self.hangs.enabled and getattr(self.engine, "progress", None) is None:
+        if self.hangs.enabled and not self.engine.reports_progress:
             if not isinstance(self.config.hang_timeout, str):
                 logger.warning("--hang-timeout needs the hooks engine (the training reports its "
                                "steps through procckpt.Checkpointer); the %s engine cannot see "
@@ -135,7 +135,7 @@ class Supervisor:
                 append_event(self.store.events_path, "fallback", message=outcome.retry,
                              cycle=self.cycles)
                 continue
-            stuck = getattr(self.engine, "stuck", None)
+            stuck = self.engine.stuck
             if stuck and not outcome.finished and outcome.confirmed is None:
                 # The engine cannot take an image of this command: every cycle would end so.
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
@@ -399,9 +399,7 @@ class Supervisor:
         self.hangs.start_cycle()
         started = self._clock()
         child.start()
-        notify_started = getattr(self.engine, "child_started", None)
-        if notify_started is not None:
-            notify_started(child.pid)
+        self.engine.child_started(child.pid)
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
         self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,
                           warn_cycle=self.cycles)
@@ -411,7 +409,7 @@ class Supervisor:
                     if end is not None else "")
         # The lead and period in force, and (for the first cycle) when the scheduler started
         # the job: procckpt status and report read them (goodput.py).
-        job_started = getattr(self.deadline, "job_started", None) if self.cycles == 1 else None
+        job_started = self.deadline.job_started if self.cycles == 1 else None
         append_event(self.store.events_path, "cycle", cycle=self.cycles, pid=child.pid,
                      restart=restarts, engine=self.engine.name,
                      lead=round(self.plan.lead.seconds, 3), interval=self.plan.period.seconds,
@@ -435,11 +433,10 @@ class Supervisor:
             outcome.confirmed = final
             since = outcome.stop_started if outcome.stop_started is not None else started
             log_confirmed(self.store, final, self._clock() - since, self.cycles)
-        after_exit = getattr(self.engine, "after_exit", None)
-        if after_exit is not None:
-            requested = outcome.stop_cause is not None or outcome.confirmed is not None
-            signalled = child.signalled or bool(outcome.forwarded)
-            outcome.retry = after_exit(outcome.exit_code, requested or signalled, signalled)
+        requested = outcome.stop_cause is not None or outcome.confirmed is not None
+        signalled = child.signalled or bool(outcome.forwarded)
+        outcome.retry = self.engine.after_exit(outcome.exit_code, requested or signalled,
+                                               signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and complete.get("token") in (token, None)
         outcome.lost_nodes = self._lost_nodes(outcome)

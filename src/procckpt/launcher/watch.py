@@ -222,10 +222,9 @@ class CycleWatch:
         """Stop a command that stopped making progress, after printing its stacks; its exit
         code. The heartbeat is followed with the hang detection off too: it measures the
         longest stretch between safe points, which the deadline's lead must cover."""
-        progress = getattr(self.engine, "progress", None)
-        if progress is None:
+        if not self.engine.reports_progress:
             return None
-        self.hangs.observe(progress(), self._connected(), now)
+        self.hangs.observe(self.engine.progress(), self._connected(), now)
         quiet = self.hangs.stuck_for(now)
         if quiet is None:
             return None
@@ -246,12 +245,11 @@ class CycleWatch:
         """A rank ended by an exception while the command runs on: its peers may be waiting
         for a rank that died with its node. Stop the command when a node of the job is lost;
         its exit code then."""
-        failures = getattr(self.engine, "failures", None)
-        if self.lost_nodes is None or failures is None or now < self.next_failure_look:
+        if self.lost_nodes is None or now < self.next_failure_look:
             return None
         if self.rank_failed is None:
             self.next_failure_look = now + FAILURE_POLL
-            found = failures()
+            found = self.engine.failures()
             if not found:
                 return None
             first = found[0]

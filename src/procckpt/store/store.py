@@ -60,7 +60,11 @@ FRESH_TEMPORARY = 60.0
 class CheckpointStore:
     """A checkpoint directory. ``open()`` must be called before anything else."""
 
-    def __init__(self, root: str | os.PathLike[str], *, keep: int = 2) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, keep: int = 2,
+                 journal: Callable[..., None] | None = None) -> None:
+        """``journal(path, kind, **fields)`` records what the store did to the dir (a
+        checkpoint moved aside, the run archived) in the journal at ``path``; the owners of
+        the dir pass the protocol's ``append_event`` (the store is below the protocol)."""
         if keep < 1:
             raise StoreError(f"keep must be at least 1, got {keep}")
         self.root = Path(root).absolute()
@@ -72,6 +76,7 @@ class CheckpointStore:
         #: Adds files that others wrote to each checkpoint before it is committed (a
         #: framework's own checkpoint files: see integrations/transformers.py).
         self.adopt: Callable[[PendingCheckpoint], None] | None = None
+        self._journal = journal
 
     # -- set-up -----------------------------------------------------------------------------
     def open(self, *, create: bool = True) -> CheckpointStore:
@@ -332,9 +337,7 @@ class CheckpointStore:
                        path.name, problem)
         with contextlib.suppress(OSError):
             os.rename(path, path.with_name(path.name + ".corrupt"))
-        from ..protocol.events import append_event  # local: the store is below the protocol
-
-        append_event(self.events_path, "corrupt", checkpoint=path.name, problem=problem)
+        self._record("corrupt", checkpoint=path.name, problem=problem)
 
     def latest_valid(self) -> CheckpointInfo | None:
         """The newest intact checkpoint, None if there never was one.
@@ -410,10 +413,12 @@ class CheckpointStore:
             os.rename(self.complete_path, dest / COMPLETE)
         self.ckpt_root.mkdir()
         fsync_dir(self.root)
-        from ..protocol.events import append_event  # local: the store is below the protocol
-
-        append_event(self.events_path, "archive", to=dest.name)  # a new run starts here
+        self._record("archive", to=dest.name)  # a new run starts here
         return dest
+
+    def _record(self, kind: str, **fields: object) -> None:
+        if self._journal is not None:
+            self._journal(self.events_path, kind, **fields)
 
 
 def format_size(n: float) -> str:

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from ..errors import ProcckptError, StorageError, logged_exit
 from ..log import setup_logging
 from ..protocol import control as ctl
+from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
 from . import loops
@@ -109,7 +110,7 @@ class Checkpointer:
             token = context.token
             self.launched = context.launched
             self.dir = default_dir(dir).absolute()
-            self.store = CheckpointStore(self.dir, keep=keep)
+            self.store = CheckpointStore(self.dir, keep=keep, journal=append_event)
             self.restart = context.restart
             self.rank = context.rank
             self.is_writer = self.rank == 0

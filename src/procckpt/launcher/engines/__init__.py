@@ -2,22 +2,16 @@
 
 The supervisor talks to an engine through :class:`Engine`; ``hooks`` asks the training
 process (which uses ``procckpt.Checkpointer``) to save its own state; ``dmtcp`` saves the whole
-process image of an unmodified command.
-
-Two optional methods, looked up with ``getattr`` so that an engine needs them only if it uses
-them: ``child_started(pid)`` (the cycle's command runs as ``pid``, leader of its own process
-group) and ``after_exit(exit_code, requested, signalled) -> str | None`` (called after
-``end_cycle``; ``requested`` says whether the supervisor asked for a stop or signalled the
-command, ``signalled`` whether it sent the command a signal; a message means
-"run another cycle, this one failed for the engine's reasons", e.g. a process image that could
-not be restored, and says why), and ``progress() -> Heartbeat | None`` (the step the training
-last said it reached, and when: what hang detection watches).
+process image of an unmodified command. Every hook the supervisor calls is declared on
+:class:`Engine`; those an engine has no use for keep their no-op default.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
+
+from ...protocol.control import Heartbeat
 
 __all__ = ["Engine", "Confirmation", "RequestUndelivered"]
 
@@ -49,21 +43,57 @@ class Confirmation:
         return self.step if self.step is not None else self.number
 
 
-class Engine(Protocol):
-    name: str
+class Engine:
+    """How a snapshot of the command is taken: the supervisor's side of an engine."""
+
+    name: str = "engine"
 
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
         """Return the argv to run for this cycle and extra environment for it."""
+        raise NotImplementedError
 
     def request(self, action: str, reason: str) -> int:
         """Ask for a checkpoint ("checkpoint") or a checkpoint then exit ("stop"); returns a
         sequence number that :meth:`confirmation` answers to."""
+        raise NotImplementedError
 
     def confirmation(self, seq: int) -> Confirmation | None:
         """The confirmation for request ``seq`` (or a later one), if it came."""
+        raise NotImplementedError
 
     def connected(self) -> bool:
         """Whether the command is known to be able to checkpoint in this cycle."""
+        raise NotImplementedError
 
     def end_cycle(self) -> Confirmation | None:
         """Clean up after the cycle's command exited; return the last stopping confirmation."""
+        raise NotImplementedError
+
+    # -- hooks with a default: an engine overrides those it has a use for ----------------
+    #: Whether :meth:`progress` reports the training's steps (hang detection needs it).
+    reports_progress: bool = False
+
+    def progress(self) -> Heartbeat | None:
+        """The step the training last said it reached, and when: what hang detection
+        watches; None before the first (or from an engine that cannot see steps)."""
+        return None
+
+    def failures(self) -> list[dict[str, Any]]:
+        """What the ranks an exception ended in this cycle said (rank, host, error)."""
+        return []
+
+    @property
+    def stuck(self) -> str | None:
+        """Why no snapshot of this command will ever complete (a failure that repeats), once
+        seen; None while there is hope."""
+        return None
+
+    def child_started(self, pid: int) -> None:
+        """The cycle's command runs as ``pid``, leader of its own process group."""
+
+    def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
+        """Called after :meth:`end_cycle`. ``requested``: the supervisor asked for a stop or
+        signalled the command; ``signalled``: it sent the command a signal. A message means
+        "run another cycle, this one failed for the engine's reasons" (a process image that
+        could not be restored, say), and says why."""
+        return None

@@ -6,13 +6,14 @@ from typing import Any
 
 from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel, Heartbeat
 from ...store import CheckpointStore
-from . import Confirmation, RequestUndelivered
+from . import Confirmation, Engine, RequestUndelivered
 
 __all__ = ["HooksEngine"]
 
 
-class HooksEngine:
+class HooksEngine(Engine):
     name = "hooks"
+    reports_progress = True
 
     def __init__(self, store: CheckpointStore) -> None:
         self.store = store

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 from ...durations import format_duration
+from ...launcher.deadline import Deadline
 from .env import ENV_END_TIME
 from .job import SlurmJob
 
@@ -24,7 +25,7 @@ REFRESH_NEAR = 10.0
 NEAR_END = 10.0
 
 
-class SlurmDeadline:
+class SlurmDeadline(Deadline):
     """The job's end time from Slurm, re-read now and then; and ``--time-limit`` if shorter.
 
     ``wall`` is a seam for unit tests.

@@ -31,7 +31,7 @@ from ....durations import parse_duration
 from ....errors import UsageError
 from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
-from .. import Confirmation
+from .. import Confirmation, Engine
 from .coordinator import Coordinator
 from .images import ImageDir, restore_saved_files
 from .cycle import Cycle, Job
@@ -57,7 +57,7 @@ ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
 ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
 
 
-class DmtcpEngine:
+class DmtcpEngine(Engine):
     """Snapshots by DMTCP; see the module docstring.
 
     Args:
@@ -101,7 +101,7 @@ class DmtcpEngine:
         """Why no image of this command will complete (a failure that repeats), once seen."""
         return self.stuck_images.message
 
-    # -- Engine protocol ------------------------------------------------------------------
+    # -- the Engine interface -------------------------------------------------------------
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
         if self._version is None:
             self._version = self.tools.version()
