@@ -168,3 +168,24 @@ def test_cli_without_sbatch_says_so_in_one_line(tmp_path: Path):
                                      "node? Use --dry-run to see the job script instead")
     bad = run([*procckpt_argv(), "sbatch", "--no-requeue", "--", "x"], cwd=tmp_path)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_signal_lead_is_read_as_procckpt_run_reads_it(tmp_path: Path):
+    # procckpt run in the job reads procckpt.yaml and $PROCCKPT_GRACE; the --signal lead
+    # that procckpt sbatch writes must be the same.
+    argv = [*procckpt_argv(), "sbatch", "--dry-run", "-t", "30", "--", "python", "t.py"]
+    plain = run(argv, cwd=tmp_path)
+    assert plain.returncode == 0 and "#SBATCH --signal=B:USR1@60" in plain.stdout, plain.stderr
+    (tmp_path / "procckpt.yaml").write_text("grace: 2m\ncheckpoint-signal: URG\n")
+    from_file = run(argv, cwd=tmp_path)
+    assert from_file.returncode == 0, from_file.stderr
+    assert "#SBATCH --signal=B:URG@120" in from_file.stdout, from_file.stdout
+    from_env = run(argv, cwd=tmp_path, env={"PROCCKPT_GRACE": "90s"})
+    assert "#SBATCH --signal=B:URG@90" in from_env.stdout, from_env.stdout
+    given = run([*argv[:4], "--grace", "45s", *argv[4:]], cwd=tmp_path,
+                env={"PROCCKPT_GRACE": "90s"})
+    assert "#SBATCH --signal=B:URG@45" in given.stdout, given.stdout
+    (tmp_path / "procckpt.yaml").write_text("grace: 40m\n")
+    too_long = run(argv, cwd=tmp_path)
+    assert too_long.returncode == 2 and "must be shorter than the time limit" in \
+        too_long.stderr, too_long.stderr

@@ -36,9 +36,9 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ..launcher.config import DEFAULT_GRACE, RunConfig
-from ..durations import parse_duration
+from ..launcher.config import DEFAULT_GRACE, RunConfig, load_config
 from ..errors import EX_TEMPFAIL, ProcckptError, UsageError
 from .slurm import ENV_CHAIN, ENV_END_TIME, parse_time_limit, sbatch_directives
 
@@ -165,7 +165,6 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
         raise UsageError("no command after '--': e.g. procckpt sbatch -t 4:00:00 -- python "
                          "train.py")
     spec = SbatchSpec(command=list(command), argv=[a for a in argv if a != "--dry-run"])
-    grace_text: str | None = None
     signal_option: str | None = None
     for group in _group(words):
         name, value = _name_value(group)
@@ -179,9 +178,7 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
             if value is None:
                 raise UsageError(f"{name} needs a value")
             spec.run_options += [name, value]
-            if name == "--grace":
-                grace_text = value
-            elif name == "--checkpoint-signal":
+            if name == "--checkpoint-signal":
                 signal_option = value.upper().removeprefix("SIG")
                 if not hasattr(signal, f"SIG{signal_option}") or signal_option in ("KILL", "STOP"):
                     raise UsageError(f"bad checkpoint signal {value!r}: use e.g. USR1 or URG")
@@ -213,11 +210,16 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
     if limit_text and limit is None and limit_text.upper() not in ("UNLIMITED", "INFINITE"):
         raise UsageError(f"bad time limit {limit_text!r}: use Slurm's forms, e.g. 30, 4:00:00 "
                          "or 1-12:00:00")
-    grace = (parse_duration(grace_text, what="grace") if grace_text is not None
-             else RunConfig().grace_for(limit))
+    # The lead and signal of --signal=B:SIG@LEAD are those the `procckpt run` in the job will
+    # read: the options passed on, then $PROCCKPT_*, then procckpt.yaml (the job starts in
+    # this directory with this environment, Slurm's defaults).
+    config = run_config(spec.run_options, spec.command)
+    grace = config.grace_for(limit)
     if limit is not None and grace >= limit:
         raise UsageError(f"grace ({grace:g}s) must be shorter than the time limit ({limit:g}s)")
     spec.grace = max(1, math.ceil(grace))
+    if signal_option is None and config.checkpoint_signal != "USR1":
+        signal_option = config.checkpoint_signal
 
     user_signal = _option(spec.all_directives, "--signal")
     if user_signal:
@@ -232,6 +234,22 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
             signal_option = sig
     spec.checkpoint_signal = signal_option or "USR1"
     return spec
+
+
+def run_config(run_options: list[str], command: list[str]) -> RunConfig:
+    """What ``procckpt run RUN_OPTIONS -- COMMAND`` would read here: its options, the
+    environment's ``PROCCKPT_*`` and ``procckpt.yaml`` (``--config``'s file), one way."""
+    given: dict[str, Any] = {}
+    config_path: str | None = None
+    words = iter(run_options)
+    for name in words:
+        if name in RUN_FLAG_OPTIONS:
+            given["restart_on_failure"] = name == "--restart-on-failure"
+        elif name == "--config":
+            config_path = next(words)
+        else:
+            given[name.removeprefix("--").replace("-", "_")] = next(words)
+    return load_config(given, command, config_path=config_path)
 
 
 def _group_words(words: list[str]) -> list[list[str]]:
