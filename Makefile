@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test venv clean
+.PHONY: demo test unit venv clean
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,10 @@ demo: venv
 
 test: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) tests
+
+# The unit tests alone (tests/README.md): under a minute, for the edit-test loop.
+unit: venv
+	$(PY) -m pytest -m unit -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,5 @@
-"""Shared helpers: every test runs real processes (python, procckpt) in a temporary directory."""
+"""Shared helpers of the tests (tests/README.md says which kind goes where): running a command to
+its end, procckpt's argv, bit-for-bit comparison, a fresh working directory, a tmpfs, Slurm."""
 
 from __future__ import annotations
 

@@ -5,6 +5,9 @@ import pytest
 from procckpt.launcher.config import load_config
 from procckpt.errors import UsageError
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 def test_cli_beats_env_beats_file(tmp_path: Path):
     cfg = tmp_path / "p.yaml"

@@ -21,6 +21,9 @@ from procckpt.launcher.engines.dmtcp import (
 from procckpt.errors import UsageError
 from procckpt.store import CheckpointStore
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 TOOLS = DmtcpTools("dmtcp_launch", "dmtcp_restart", "dmtcp_command", "dmtcp_coordinator")
 
 

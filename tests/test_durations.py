@@ -3,6 +3,9 @@ import pytest
 from procckpt.durations import format_duration, parse_duration
 from procckpt.errors import UsageError
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text,seconds", [
     ("90s", 90), ("90", 90), ("15m", 900), ("2h", 7200), ("1d", 86400), ("1.5m", 90),

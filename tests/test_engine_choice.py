@@ -16,6 +16,9 @@ from procckpt.launcher.engines.dmtcp import DmtcpTools
 from procckpt.errors import UsageError
 from procckpt.store import CheckpointStore
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 TOOLS = DmtcpTools("/opt/d/dmtcp_launch", "/opt/d/dmtcp_restart", "/opt/d/dmtcp_command",
                    "/opt/d/dmtcp_coordinator")
 NO_GPU: dict[str, str] = {"CUDA_VISIBLE_DEVICES": ""}

@@ -8,6 +8,9 @@ import pytest
 
 from procckpt.goodput import KINDS, compute_goodput
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 T0 = 1_800_000_000.0
 
 

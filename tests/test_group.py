@@ -9,6 +9,8 @@ import signal
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.follower import Follower
 from procckpt.launcher.results import ExitReason
@@ -17,6 +19,9 @@ from procckpt.protocol import group
 from procckpt.store import CheckpointStore
 
 from .test_supervisor import Cycle, supervise
+
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
 
 
 class Part:

@@ -22,6 +22,9 @@ from procckpt.cli import main
 from procckpt.errors import EX_TEMPFAIL, UsageError
 from procckpt.schedulers.k8s import EXIT_MARGIN, K8sJobSpec, job_manifest, render_manifest
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 GOLDEN = Path(__file__).resolve().parent / "golden"
 
 OBJECT_META = {"annotations", "creationTimestamp", "deletionGracePeriodSeconds",

@@ -7,6 +7,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "procckpt"
 
 

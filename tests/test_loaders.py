@@ -12,6 +12,9 @@ from procckpt.errors import UsageError
 from procckpt.training.loaders import SKIPPED, check_loader, open_at
 from procckpt.training.rng import capture_rng, restore_rng
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 class Noisy(Dataset):
     """A random transform per sample, from torch's global stream or a generator of its own."""

@@ -20,6 +20,9 @@ from procckpt.store import CheckpointStore
 
 from .conftest import mounted_tmpfs
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 # -- the period --------------------------------------------------------------------------------
 def test_young_daly_is_sqrt_2_c_m_minus_c():

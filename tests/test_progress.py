@@ -7,10 +7,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 import torch
 
 from procckpt import Checkpointer
 from procckpt.protocol.events import read_events
+
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
 
 
 def run_steps(d: Path, total: int, stop_after: int | None = None) -> tuple[list[int], list]:

@@ -30,6 +30,9 @@ from procckpt.schedulers.slurm import (
     startup_warnings,
 )
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 NOW = 1_800_000_000.0  # the fake wall clock
 
 

@@ -15,6 +15,9 @@ from procckpt.errors import CheckpointCorruptError, LockedError, StoreError
 from procckpt.protocol.events import append_event
 from procckpt.store import CheckpointStore
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 def commit(store: CheckpointStore, payload: bytes, **meta) -> str:
     with store.begin(meta) as pending:

@@ -24,6 +24,9 @@ from procckpt.launcher.restart import Decision, LocalRestart, Verdict
 from procckpt.store import CheckpointStore
 from procckpt.launcher.supervisor import ExitReason, Supervisor
 
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
 
 @dataclass
 class Cycle:
