@@ -27,8 +27,10 @@ from torch.utils.data import DataLoader, Dataset
 __all__ = ["unsaved_statefuls", "describe_unsaved"]
 
 #: Attributes through which a wrapper holds what it wraps (DDP/FSDP and compile: module and
-#: _orig_mod; Accelerate's optimizer and scheduler wrappers).
+#: _orig_mod; Accelerate's optimizer and scheduler wrappers) ...
 _WRAPPED = ("module", "_orig_mod", "optimizer", "scheduler")
+#: ... and through which a registered holder of several holds them (procckpt.Sharded).
+_HELD = ("model", "optimizers")
 _PACKAGE = str(Path(__file__).resolve().parents[1])
 _LIBRARIES = tuple(sorted({str(Path(p).resolve()) for key in ("stdlib", "platstdlib",
                                                               "purelib", "platlib")
@@ -78,8 +80,9 @@ def _covered(registered: Any) -> tuple[set[int], set[int]]:
     buffer of the registered modules."""
     objects, tensors = set(), set()
     for obj in registered:
-        for inner in (obj, *(getattr(obj, a, None) for a in _WRAPPED)):
-            if inner is None:
+        held = [getattr(obj, a, None) for a in (*_WRAPPED, *_HELD)]
+        for inner in (obj, *held, *(x for h in held if isinstance(h, (list, tuple)) for x in h)):
+            if inner is None or isinstance(inner, (list, tuple)):
                 continue
             objects.add(id(inner))
             if isinstance(inner, nn.Module):
