@@ -13,7 +13,7 @@ import pytest
 
 from procckpt.errors import CheckpointCorruptError, LockedError, StoreError
 from procckpt.protocol.events import append_event
-from procckpt.store import CheckpointStore
+from procckpt.store import MARKER, CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -116,6 +116,27 @@ def test_a_dir_that_another_procckpt_is_creating_is_opened_too(tmp_path: Path):
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(4) as pool:
         assert pool.map(_open_store, [str(new)] * 8) == ["ok"] * 8
+
+
+def test_a_marker_that_comes_while_the_dir_is_looked_at_is_ours(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch):
+    # The race CI met between two pods: the marker was not there when looked for, and there,
+    # with the lock and the journal of the launcher that made it, when the entries were listed.
+    made = CheckpointStore(tmp_path / "made").open()
+    racing = tmp_path / "racing"
+    for sub in ("checkpoints", "control"):
+        (racing / sub).mkdir(parents=True)
+    listed = Path.iterdir
+
+    def iterdir(self: Path):
+        if self == racing and not (racing / MARKER).exists():  # the other launcher, meanwhile
+            (racing / MARKER).write_bytes((made.root / MARKER).read_bytes())
+            (racing / "lock").write_text("")
+            (racing / "events.jsonl").write_text("")
+        return listed(self)
+
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    assert CheckpointStore(racing).open().checkpoints() == []
 
 
 def _open_store(path: str) -> str:

@@ -102,7 +102,9 @@ class CheckpointStore:
                 # run on several nodes start together) is not someone else's.
                 others = [p.name for p in root.iterdir() if p.name not in _OWN_FIRST
                           and not p.name.startswith(".tmp-")][:3]
-                if others:
+                if others and marker.exists():  # its marker came while we looked: ours
+                    self._check_marker(marker)
+                elif others:
                     raise StoreError(
                         f"{root} is not a procckpt checkpoint dir (it holds {', '.join(others)}"
                         f"{', ...' if len(others) == 3 else ''}); pick a new or empty directory"
