@@ -16,7 +16,7 @@
 USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
 internally, so the request reaches the training process through ``control/`` instead. Under
 ``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp/engine.py).
-README.md repeats the table for users.
+docs/cli.md repeats the table for users.
 """
 
 from __future__ import annotations
