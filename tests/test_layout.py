@@ -5,6 +5,7 @@ its job in its first line, and none grows past a size a reader takes in at once
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -23,15 +24,22 @@ def module_name(path: Path) -> str:
 def imports_at_module_level(path: Path) -> set[str]:
     """The procckpt modules ``path`` imports when it is imported (or type-checked): imports at
     module level and under ``if TYPE_CHECKING``, not the deferred ones inside functions."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    body = list(ast.parse(path.read_text()).body)
+    nodes, body = [], list(ast.parse(path.read_text()).body)
     while body:
         node = body.pop(0)
         if isinstance(node, ast.If):
             body.extend(node.body)
-        elif isinstance(node, ast.ImportFrom):
+        nodes.append(node)
+    return _imported(path, nodes)
+
+
+def _imported(path: Path, nodes: Iterable[ast.AST]) -> set[str]:
+    """The procckpt modules that the import statements among ``nodes`` of ``path`` name."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
@@ -50,8 +58,8 @@ def _is_module(dotted: str) -> bool:
     return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
 
 
-def test_no_module_imports_itself_through_others():
-    graph = {module_name(p): imports_at_module_level(p) for p in PACKAGE.rglob("*.py")}
+def cycles_in(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of ``graph`` (module -> the modules it imports)."""
     cycles: list[list[str]] = []
     done: set[str] = set()
 
@@ -67,45 +75,24 @@ def test_no_module_imports_itself_through_others():
 
     for start in sorted(graph):
         visit(start, [])
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    cycles = cycles_in({module_name(p): imports_at_module_level(p)
+                        for p in PACKAGE.rglob("*.py")})
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
 def all_imports(path: Path) -> set[str]:
     """The procckpt modules ``path`` imports anywhere: at module level and inside functions
     (a deferred import is still a dependency)."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for alias in node.names:
-                candidate = f"{target}.{alias.name}"
-                found.add(candidate if _is_module(candidate) else target)
-        elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-    return {m for m in found if m.startswith("procckpt") and m != name}
+    return _imported(path, ast.walk(ast.parse(path.read_text())))
 
 
 def test_no_cycle_even_through_imports_inside_functions():
-    graph = {module_name(p): all_imports(p) for p in PACKAGE.rglob("*.py")}
-    done: set[str] = set()
-
-    def visit(node: str, trail: list[str]) -> None:
-        assert node not in trail, "import cycle: " + " -> ".join(trail[trail.index(node):] +
-                                                                 [node])
-        if node in done:
-            return
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, trail + [node])
-        done.add(node)
-
-    for start in sorted(graph):
-        visit(start, [])
+    cycles = cycles_in({module_name(p): all_imports(p) for p in PACKAGE.rglob("*.py")})
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles[:5])
 
 
 #: What each part of the package may import, inside functions too (docs/architecture.md):
