@@ -13,9 +13,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ProcckptError, UsageError
 from ..launcher.hang import descendants
+from ..protocol.control import ENV_CHECK
 
 __all__ = ["Run", "Runner", "CheckInterrupted", "Signalled", "signals_raise", "signals_held",
            "last_step"]
@@ -100,8 +102,8 @@ class Runner:
             again: Run | None = None) -> Run:
         run = again or Run(name, self.work / name)
         env = {**os.environ, "PYTHONUNBUFFERED": "1",
-               "PROCCKPT_CHECK": json.dumps({"end": end, "stop_at": stop_at,
-                                             "trace": str(self.work / f"{name}.trace")})}
+               ENV_CHECK: json.dumps({"end": end, "stop_at": stop_at,
+                                      "trace": str(self.work / f"{name}.trace")})}
         for variable in ("PROCCKPT_TOKEN", "PROCCKPT_DIR", "PROCCKPT_FORCE"):
             env.pop(variable, None)
         argv = [sys.executable, "-m", "procckpt", "run", "--dir", str(run.dir), "--engine",
@@ -214,23 +216,22 @@ def _raise(signum: int, _frame: object) -> None:
     raise Signalled(signum)
 
 
-@contextlib.contextmanager
-def signals_raise() -> Iterator[None]:
+def signals_raise() -> contextlib.AbstractContextManager[None]:
     """SIGTERM, SIGINT and SIGHUP end the check (its runs are in sessions of their own, so a
     Ctrl-C reaches the check alone, which stops them)."""
-    before = {signum: signal.signal(signum, _raise) for signum in _STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+    return _stop_signals_handled_by(_raise)
+
+
+def signals_held() -> contextlib.AbstractContextManager[None]:
+    """Those signals ignored: a second Ctrl-C must not leave the runs or the dir behind."""
+    return _stop_signals_handled_by(signal.SIG_IGN)
 
 
 @contextlib.contextmanager
-def signals_held() -> Iterator[None]:
-    before = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOP_SIGNALS}
+def _stop_signals_handled_by(handler: Any) -> Iterator[None]:
+    before = {signum: signal.signal(signum, handler) for signum in _STOP_SIGNALS}
     try:
         yield
     finally:
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
+        for signum, old in before.items():
+            signal.signal(signum, old)
