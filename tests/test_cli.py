@@ -23,7 +23,7 @@ def one_line_error(result) -> str:
     (["run", "--grace", "-3s", "--", "true"], 2, "must not be negative"),
     (["run", "--time-limit", "10s", "--grace", "1m", "--", "true"], 2, "shorter than the time"),
     (["run", "--max-restarts", "x", "--", "true"], 2, "expected a whole number"),
-    (["run", "--engine", "magic", "--", "true"], 2, "'magic' is not one of"),
+    (["run", "--engine", "magic", "--", "true"], 2, "bad engine 'magic': choose one of auto"),
     (["run", "--config", "missing.yaml", "--", "true"], 2, "config file missing.yaml does not"),
     (["run"], 2, "Missing argument 'COMMAND...'"),
     (["run", "--", "no-such-binary-here"], 127, "command not found: no-such-binary-here"),

@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -69,3 +70,98 @@ def test_a_zero_or_too_short_interval_or_hang_timeout_is_refused_with_the_reason
         load_config({option: value}, ["x"], environ={})
     assert says in str(e.value), str(e.value)
     assert load_config({option: "off"}, ["x"], environ={}).__getattribute__(option) is None
+
+
+#: A value for every run option, and what it reads as: a new option must be added here, so
+#: that the checks below cover it.
+SAMPLES = {
+    "dir": ("ckpts", Path("ckpts")), "time_limit": ("2h", 7200.0), "grace": ("90s", 90.0),
+    "interval": ("30m", 1800.0), "mtbf": ("6h", 21600.0), "hang_timeout": ("off", None),
+    "max_restarts": ("3", 3), "restart_on_failure": ("true", True), "engine": ("hooks", "hooks"),
+    "keep": ("5", 5), "force": ("yes", True), "term_timeout": ("30s", 30.0),
+    "checkpoint_signal": ("SIGURG", "URG"), "nodes": ("4", 4), "node_rank": ("2", 2),
+}
+
+
+def test_every_run_option_is_declared_once_and_read_from_every_source(tmp_path: Path):
+    from dataclasses import fields
+
+    from click.testing import CliRunner
+
+    from procckpt.cli import cli
+    from procckpt.launcher.config import OPTIONS, RunConfig
+
+    declared = [f.name for f in fields(RunConfig) if f.name != "command"]
+    assert list(OPTIONS) == declared and set(SAMPLES) == set(declared)
+    help_text = CliRunner().invoke(cli, ["run", "--help"]).output
+    run_params = {p.name: p for p in cli.commands["run"].params}
+    for name, option in OPTIONS.items():
+        given, expected = SAMPLES[name]
+        assert set(option.flags()) == {*run_params[name].opts, *run_params[name].secondary_opts}
+        assert option.flag in help_text and run_params[name].help.startswith(option.help)
+        others = {"nodes": "4"} if name == "node_rank" else {}  # a rank needs its nodes
+        from_env = load_config(others, ["x"], environ={option.env: given})
+        yaml_file = tmp_path / f"{name}.yaml"
+        yaml_file.write_text(f"{option.flag[2:]}: {given}\n")
+        from_yaml = load_config(others, ["x"], config_path=str(yaml_file), environ={})
+        from_cli = load_config({**others, name: given}, ["x"], environ={})
+        assert getattr(from_env, name) == getattr(from_yaml, name) == getattr(from_cli, name) \
+            == expected, name
+
+
+def test_sbatch_and_k8s_take_run_options_from_the_table(tmp_path: Path, monkeypatch):
+    from procckpt.cli import main
+    from procckpt.launcher.config import OPTIONS, PASSED_ON, SBATCH_OWN
+    from procckpt.schedulers.sbatch import parse_sbatch_args
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PROCCKPT_GRACE", raising=False)
+    for name, option in OPTIONS.items():
+        given = [option.flag] if option.kind != "value" else [option.flag, SAMPLES[name][0]]
+        argv = [*given, "-t", "4:00:00", "--", "python", "train.py"]
+        if option.sbatch == PASSED_ON:
+            assert parse_sbatch_args(argv).run_options == given, name
+        elif option.sbatch == SBATCH_OWN:
+            assert given in parse_sbatch_args(argv).directives, name
+        else:
+            with pytest.raises(UsageError, match=re.escape(option.sbatch)):
+                parse_sbatch_args(argv)
+    # A bad value is refused by sbatch and k8s with the words of procckpt run.
+    with pytest.raises(UsageError) as by_run:
+        load_config({"grace": "soon"}, ["x"], environ={})
+    with pytest.raises(UsageError) as by_sbatch:
+        parse_sbatch_args(["--grace", "soon", "--", "x"])
+    assert str(by_sbatch.value) == str(by_run.value)
+    k8s = ["k8s", "--image", "i", "--pvc", "c"]
+    assert main([*k8s, "--grace", "soon", "--", "x"]) == 2
+    # One grace-versus-limit rule: run, sbatch and k8s say the same.
+    messages = []
+    for attempt in (lambda: load_config({"grace": "2m", "time_limit": "1m"}, ["x"], environ={}),
+                    lambda: parse_sbatch_args(["--grace", "2m", "-t", "1", "--", "x"]),
+                    lambda: main([*k8s, "--grace", "2m", "--time-limit", "1m", "--", "x"])):
+        try:
+            code = attempt()
+        except UsageError as e:
+            messages.append(str(e))
+        else:
+            assert code == 2
+    assert messages[0] == messages[1]
+
+
+def test_k8s_grace_is_read_like_runs(capsys: pytest.CaptureFixture[str]):
+    import yaml
+
+    from procckpt.cli import main
+
+    k8s = ["k8s", "--image", "i", "--pvc", "c"]
+    assert main([*k8s, "--grace", "1:30", "--", "python", "t.py"]) == 0
+    job = yaml.safe_load(capsys.readouterr().out)
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 90
+    assert "90" in pod["containers"][0]["command"][pod["containers"][0]["command"].index("--grace") + 1]
+    # No --grace: the run's default for the limit (a quarter of a short one).
+    assert main([*k8s, "--time-limit", "2m", "--", "python", "t.py"]) == 0
+    pod = yaml.safe_load(capsys.readouterr().out)["spec"]["template"]["spec"]
+    assert "30" in pod["containers"][0]["command"][pod["containers"][0]["command"].index("--grace") + 1]
+    assert main([*k8s, "--grace", "2m", "--time-limit", "1m", "--", "x"]) == 2
+    assert "grace (120s) must be shorter than the time limit (60s)" in capsys.readouterr().err

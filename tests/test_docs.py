@@ -93,3 +93,29 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference():
     reference = (DOCS / "cli.md").read_text()
     missing = sorted(v for v in variables if f"`{v}`" not in reference)
     assert variables and not missing, f"docs/cli.md does not name {missing}"
+
+
+def test_the_run_option_table_in_the_reference_is_the_codes():
+    from procckpt.launcher.config import OPTIONS, shown_default
+
+    rows = {}
+    for line in (DOCS / "cli.md").read_text().splitlines():
+        first = re.match(r"\| `(--[a-z-]+)", line)
+        if first:
+            rows.setdefault(first.group(1), line)
+    wrong = []
+    for option in OPTIONS.values():
+        row = rows.get(option.flag)
+        if row is None:
+            wrong.append(f"{option.flag}: no row")
+        elif f"default: {shown_default(option)}" not in row:
+            wrong.append(f"{option.flag}: says no 'default: {shown_default(option)}'")
+    shown = [flag for flag in rows if flag not in {o.flag for o in OPTIONS.values()}
+             and flag != "--config" and not _in_other_tables(flag)]
+    assert not wrong and not shown, f"docs/cli.md: {wrong} {shown}"
+
+
+def _in_other_tables(flag: str) -> bool:
+    """An option of another command (its own tables in the same page)."""
+    return any(flag in known_options(command) for name, command in cli.commands.items()
+               if name != "run")

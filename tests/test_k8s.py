@@ -265,7 +265,7 @@ def test_kueue_label_gpus_node_selector_and_pvc():
     ({"dir": "/elsewhere/run"}, "outside --mount-path"),
     ({"queue": "team a"}, "bad --queue"),
     ({"node_selector": {"gpu": "a b"}}, "bad --node-selector gpu value"),
-    ({"time_limit": 30.0}, "must be longer than --grace"),
+    ({"time_limit": 30.0}, "grace (60s) must be shorter than the time limit (30s)"),
     ({"command": []}, "no command given"),
     ({"nodes": 0}, "bad --nodes 0"),
     ({"nodes": 2}, "--nodes runs torchrun on every pod, but the command is 'python'"),

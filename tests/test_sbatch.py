@@ -150,7 +150,7 @@ def test_a_wrapped_script_keeps_its_directives_and_runs_under_procckpt(tmp_path:
     (["--force", "--", "x"], "would archive the checkpoints at every restart"),
     (["-t", "soon", "--", "x"], "bad time limit 'soon'"),
     (["-t", "1", "--grace", "2m", "--", "x"], "grace (120s) must be shorter than the time limit"),
-    (["--checkpoint-signal", "KILL", "--", "x"], "bad checkpoint signal 'KILL'"),
+    (["--checkpoint-signal", "KILL", "--", "x"], "bad checkpoint-signal 'KILL'"),
 ])
 def test_bad_input_is_one_line_that_says_what_to_do(argv: list[str], message: str):
     with pytest.raises(UsageError, match=None) as info:

@@ -32,7 +32,7 @@ def test_what_the_registered_objects_cover_is_left_out_and_the_rest_is_named():
     assert describe_unsaved({"ema": found["ema"]}) == (
         "ema (AveragedModel, in test_what_the_registered_objects_cover_is_left_out_and_the_rest_"
         "is_named())")
-    del wrapped, first, loss, loader
+    del wrapped, first, loss, loader, second
 
 
 def test_a_sharded_holder_covers_its_model_and_optimizers():

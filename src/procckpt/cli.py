@@ -7,12 +7,14 @@ import logging
 import shutil
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from . import __version__
-from .launcher.config import ENGINES, RunConfig, load_config
+from .launcher.config import (CONFIG_FILE, OPTIONS, Option, RunConfig, config_from,
+                              load_config, shown_default)
 from .launcher.deadline import Deadline, LocalDeadline, NoDeadline
 from .launcher.engines import Engine
 from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
@@ -25,8 +27,6 @@ __all__ = ["main", "cli"]
 
 logger = logging.getLogger("procckpt")
 
-DURATION_HELP = "e.g. 90s, 15m, 2h, 1:30:00"
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="procckpt")
@@ -34,47 +34,36 @@ def cli() -> None:
     """Checkpoint, requeue and resume PyTorch training across time limits."""
 
 
+def run_option(option: Option, **override: Any) -> Callable[[Any], Any]:
+    """The click option for one run option of launcher/config.py's table (None: not given)."""
+    settings: dict[str, Any] = {
+        "default": None, "metavar": option.metavar or None,
+        "help": f"{option.help} [{shown_default(option)}]", **override}
+    if option.kind == "switch":
+        return click.option("/".join(option.flags()), option.name, **settings)
+    return click.option(option.flag, option.name, is_flag=option.kind == "flag", **settings)
+
+
+def run_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Every option of the table, in its order, then --config."""
+    command = click.option("--config", "config_path", metavar="FILE",
+                           help=f"Config file [./{CONFIG_FILE}].")(command)
+    for option in reversed(OPTIONS.values()):
+        command = run_option(option)(command)
+    return command
+
+
 @cli.command(context_settings={"allow_interspersed_args": False})
-@click.option("--dir", "dir_", metavar="DIR", help="Checkpoint directory "
-              "[default: ./procckpt-checkpoints].")
-@click.option("--time-limit", metavar="DURATION", help=f"Time limit of each cycle ({DURATION_HELP}).")
-@click.option("--grace", metavar="DURATION",
-              help="Ask for the checkpoint this long before the deadline [default: 60s, at "
-                   "most a quarter of --time-limit].")
-@click.option("--interval", metavar="DURATION|auto|off",
-              help="Also checkpoint this often, without stopping [auto: from what a checkpoint "
-                   "costs and --mtbf].")
-@click.option("--mtbf", metavar="DURATION", help="Expected time between failures (node loss, "
-              "OOM kill), for --interval auto [24h].")
-@click.option("--hang-timeout", metavar="DURATION|auto|off",
-              help="Restart the command when no step completes for this long, after printing "
-                   "its stacks [auto: max(10m, 50 steps)].")
-@click.option("--max-restarts", metavar="N", help="Restart (or requeue) at most N times [20].")
-@click.option("--restart-on-failure/--no-restart-on-failure", default=None,
-              help="Also restart a command that crashed, from its last checkpoint.")
-@click.option("--engine", type=click.Choice(ENGINES), default=None, help="Snapshot engine [auto].")
-@click.option("--keep", metavar="N", help="Keep the last N checkpoints (plus the best) [2].")
-@click.option("--force", is_flag=True, default=None,
-              help="Train again even if the run finished (old checkpoints are archived).")
-@click.option("--term-timeout", metavar="DURATION", help="Wait this long after SIGTERM before "
-              "SIGKILL [10s].")
-@click.option("--checkpoint-signal", metavar="SIG", help="Signal meaning 'checkpoint now, then "
-              "stop' besides SIGTERM [USR1].")
-@click.option("--nodes", metavar="N", help="The run spans N nodes, each starting its own part "
-              "of the command under procckpt run (Kubernetes pods) [1].")
-@click.option("--node-rank", metavar="K", help="Which of the --nodes this is; node 0 leads, the "
-              "others follow its cycles [0].")
-@click.option("--config", "config_path", metavar="FILE", help="Config file [./procckpt.yaml].")
+@run_options
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def run(command: tuple[str, ...], config_path: str | None, dir_: str | None,
-        **options: Any) -> None:
+def run(command: tuple[str, ...], config_path: str | None, **options: Any) -> None:
     """Run COMMAND, checkpoint it before its deadline, and restart it until it finishes.
 
     \b
     Example:
         procckpt run --time-limit 15m -- python train.py
     """
-    config = load_config({"dir": dir_, **options}, list(command), config_path=config_path)
+    config = load_config(options, list(command), config_path=config_path)
     sys.exit(run_command(config))
 
 
@@ -166,10 +155,10 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
     The script asks for --requeue, --open-mode=append and --signal=B:USR1@GRACE, and runs
     `exec procckpt run ... -- COMMAND`: procckpt checkpoints before the time limit, requeues
     the job and resumes it, as many times as it takes. Every other sbatch option (-t, -p,
-    --gres, --mem, -J, -o, ...) goes into the script untouched; the procckpt run options
-    --dir, --grace, --max-restarts, --checkpoint-signal, --interval, --mtbf, --hang-timeout,
-    --keep, --engine, --term-timeout, --config and --restart-on-failure are passed on. A COMMAND that is a job
-    script with #SBATCH lines is wrapped: its #SBATCH lines are kept. Pyxis options
+    --gres, --mem, -J, -o, ...) goes into the script untouched; every procckpt run option
+    but --time-limit (the job's -t is the limit), --force and --node-rank is passed on to
+    procckpt run, and procckpt.yaml and PROCCKPT_* are read for the --signal lead as the job
+    will read them. A COMMAND that is a job script with #SBATCH lines is wrapped: its #SBATCH lines are kept. Pyxis options
     (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
     container with srun; the job script requeues from outside.
 
@@ -262,19 +251,20 @@ def report(directory: str, output: str | None) -> None:
               help="Extended resource name of a GPU.")
 @click.option("--node-selector", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
 @click.option("--queue", metavar="NAME", help="Kueue LocalQueue (label kueue.x-k8s.io/queue-name).")
-@click.option("--grace", default="60s", show_default=True, metavar="DURATION",
-              help="Time the checkpoint may take after SIGTERM.")
-@click.option("--max-restarts", type=int, default=20, show_default=True,
-              help="Restart budget (backoffLimit).")
-@click.option("--time-limit", metavar="DURATION", help="Also restart inside the pod this often.")
+@run_option(OPTIONS["grace"], help="Time the checkpoint may take after SIGTERM (also "
+            f"before --time-limit) [{shown_default(OPTIONS['grace'])}].")
+@run_option(OPTIONS["max_restarts"], help="Restart budget (backoffLimit) "
+            f"[{shown_default(OPTIONS['max_restarts'])}].")
+@run_option(OPTIONS["time_limit"], help="Also restart inside the pod this often.")
 @click.option("--env", "env_", multiple=True, metavar="KEY=VALUE", help="Repeatable.")
 @click.option("--shm", metavar="QUANTITY", help="Size of a memory-backed /dev/shm, e.g. 8Gi.")
 @click.option("--nodes", type=int, default=1, show_default=True,
               help="Pods (nodes) the torchrun command spans: an Indexed Job and a headless "
                    "Service; the claim must be ReadWriteMany.")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
-def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str | None,
-        node_selector: tuple[str, ...], env_: tuple[str, ...], **options: Any) -> None:
+def k8s(command: tuple[str, ...], dir_: str | None, grace: str | None, max_restarts: str | None,
+        time_limit: str | None, node_selector: tuple[str, ...], env_: tuple[str, ...],
+        **options: Any) -> None:
     """Print a Kubernetes batch/v1 Job that runs COMMAND under procckpt run.
 
     \b
@@ -284,13 +274,14 @@ def k8s(command: tuple[str, ...], dir_: str | None, grace: str, time_limit: str 
         procckpt k8s --image ghcr.io/me/train:1 --pvc shared-ckpts --gpus 8 --nodes 4 \\
             -- torchrun --nproc-per-node 8 train.py | kubectl apply -f -
     """
-    from .durations import parse_duration
     from .schedulers.k8s import K8sJobSpec, render_manifest
 
+    # Read as `procckpt run` reads them (the pod's run is given them explicitly).
+    run = config_from({"grace": grace, "max_restarts": max_restarts, "time_limit": time_limit},
+                      list(command))
     spec = K8sJobSpec(
-        command=list(command), dir=dir_, grace=parse_duration(grace, what="grace"),
-        time_limit=parse_duration(time_limit, what="time-limit") if time_limit else None,
-        node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env_, "--env"),
+        command=list(command), dir=dir_, grace=run.grace_for(run.time_limit),
+        max_restarts=run.max_restarts, time_limit=run.time_limit, node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env_, "--env"),
         **options)
     click.echo(render_manifest(spec), nl=False)
 

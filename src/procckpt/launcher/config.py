@@ -1,8 +1,16 @@
-"""Run options: defaults < config file (procckpt.yaml) < environment (PROCCKPT_*) < command line."""
+"""Run options: defaults < config file (procckpt.yaml) < environment (PROCCKPT_*) < command line.
+
+Each option is declared once, as a field of :class:`RunConfig`: its default, and in the field's
+metadata an :class:`Option` (help, metavar, how a value is read, what ``procckpt sbatch`` does
+with it). ``procckpt run``'s click options, its YAML keys and ``PROCCKPT_*`` variables,
+``procckpt sbatch``'s pass-through and ``procckpt k8s``'s grace and time limit all come from
+:data:`OPTIONS`.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -14,7 +22,8 @@ from ..durations import parse_duration
 from ..errors import UsageError
 from ..protocol.switches import TRAINING_SWITCHES
 
-__all__ = ["RunConfig", "load_config", "CONFIG_FILE", "ENGINES"]
+__all__ = ["RunConfig", "Option", "OPTIONS", "load_config", "config_from", "check_grace",
+           "CONFIG_FILE", "ENGINES"]
 
 CONFIG_FILE = "procckpt.yaml"
 ENGINES = ("auto", "hooks", "dmtcp")
@@ -23,6 +32,116 @@ DEFAULT_GRACE = 60.0
 DEFAULT_MTBF = 24 * 3600.0
 AUTO = "auto"
 OFF = "off"
+
+#: What ``procckpt sbatch`` does with a run option: it passes it on to the ``procckpt run``
+#: in the job script; SBATCH_OWN: the name is sbatch's own option (it goes to an #SBATCH
+#: line); any other text: why sbatch refuses it.
+PASSED_ON = "passed on"
+SBATCH_OWN = "sbatch's own"
+
+Convert = Callable[[Any, str], Any]
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one run option is given and read (its default is its RunConfig field's)."""
+
+    convert: Convert  # (value as given, option name) -> value, or UsageError
+    help: str
+    metavar: str = ""
+    #: The default as ``--help`` shows it, where the field's default does not say it.
+    shown_default: str | None = None
+    #: "value", "flag" (--force) or "switch" (--x/--no-x).
+    kind: str = "value"
+    sbatch: str = PASSED_ON
+    name: str = ""  # filled in from the field
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "PROCCKPT_" + self.name.upper()
+
+    def flags(self) -> list[str]:
+        """The command-line words that set it."""
+        return [self.flag, "--no-" + self.flag[2:]] if self.kind == "switch" else [self.flag]
+
+
+def _option(default: Any, help: str, convert: Convert, metavar: str = "", **more: Any) -> Any:
+    return field(default=default,
+                 metadata={"option": Option(convert, help, metavar, **more)})
+
+
+def _duration(v: Any, option: str) -> float:
+    return parse_duration(v, what=option)
+
+
+def _duration_or_auto(shortest: float, why: str) -> Convert:
+    """A duration of at least ``shortest`` seconds, ``auto`` or ``off``; off is None."""
+    def convert(v: Any, option: str) -> float | str | None:
+        if v is False:  # YAML reads a bare `off` as false
+            return None
+        text = str(v).strip().lower()
+        if text == AUTO:
+            return AUTO
+        if text in (OFF, "none"):
+            return None
+        try:
+            seconds = parse_duration(v, what=option)
+        except UsageError as e:
+            raise UsageError(f"{e}; or auto, or off") from None
+        if seconds == 0:
+            raise UsageError(f"bad {option} {v!r}: 0 is no duration; to turn it off say off")
+        if seconds < shortest:
+            raise UsageError(f"bad {option} {v!r}: at least {shortest:g}s ({why}); or auto, "
+                             "or off")
+        return seconds
+    return convert
+
+
+def _int(minimum: int) -> Convert:
+    def convert(v: Any, option: str) -> int:
+        try:
+            value = int(str(v).strip())
+        except ValueError:
+            raise UsageError(f"bad {option} {v!r}: expected a whole number") from None
+        if value < minimum:
+            raise UsageError(f"bad {option} {v!r}: must be at least {minimum}")
+        return value
+    return convert
+
+
+def _bool(v: Any, option: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise UsageError(f"bad {option} {v!r}: expected true or false")
+
+
+def _engine(v: Any, option: str) -> str:
+    text = str(v).strip().lower()
+    if text not in ENGINES:
+        raise UsageError(f"bad {option} {v!r}: choose one of {', '.join(ENGINES)}")
+    return text
+
+
+def _signal(v: Any, option: str) -> str:
+    name = str(v).strip().upper().removeprefix("SIG")
+    if not hasattr(signal, f"SIG{name}") or name in ("KILL", "STOP"):
+        raise UsageError(f"bad {option} {v!r}: use e.g. USR1, TERM or URG")
+    return name
+
+
+def _dir(v: Any, option: str) -> Path:
+    if not isinstance(v, (str, os.PathLike)) or not str(v).strip():
+        raise UsageError(f"bad {option} {v!r}: give a directory path")
+    return Path(os.path.expanduser(str(v)))
 
 
 @dataclass
@@ -35,23 +154,50 @@ class RunConfig:
     """
 
     command: list[str] = field(default_factory=list)
-    dir: Path = Path("procckpt-checkpoints")
-    time_limit: float | None = None
-    grace: float | None = None
-    interval: float | str | None = AUTO
-    mtbf: float = DEFAULT_MTBF
-    hang_timeout: float | str | None = AUTO
-    max_restarts: int = 20
-    restart_on_failure: bool = False
-    engine: str = "auto"
-    keep: int = 2
-    force: bool = False
-    term_timeout: float = 10.0
-    checkpoint_signal: str = "USR1"
+    dir: Path = _option(Path("procckpt-checkpoints"), "Checkpoint directory.", _dir, "DIR",
+                        shown_default="./procckpt-checkpoints")
+    time_limit: float | None = _option(
+        None, "Time limit of each cycle (e.g. 90s, 15m, 2h, 1:30:00).", _duration, "DURATION",
+        sbatch="in a Slurm job the time limit is the job's own: use -t/--time")
+    grace: float | None = _option(
+        None, "Ask for the checkpoint this long before the deadline.", _duration, "DURATION",
+        shown_default=f"{DEFAULT_GRACE:g}s, at most a quarter of --time-limit")
+    interval: float | str | None = _option(
+        AUTO, "Also checkpoint this often, without stopping (auto: from what a checkpoint "
+        "costs and --mtbf).",
+        _duration_or_auto(1.0, "a shorter one would checkpoint at every step"),
+        "DURATION|auto|off")
+    mtbf: float = _option(DEFAULT_MTBF, "Expected time between failures (node loss, OOM "
+                          "kill), for --interval auto.", _duration, "DURATION")
+    hang_timeout: float | str | None = _option(
+        AUTO, "Restart the command when no step completes for this long, after printing its "
+        "stacks (auto: max(10m, 50 steps)).",
+        _duration_or_auto(5.0, "the training reports its progress once a second, so a "
+                               "shorter one would stop a healthy run"),
+        "DURATION|auto|off")
+    max_restarts: int = _option(20, "Restart (or requeue) at most N times.", _int(0), "N")
+    restart_on_failure: bool = _option(
+        False, "Also restart a command that crashed, from its last checkpoint.", _bool,
+        kind="switch")
+    engine: str = _option("auto", "Snapshot engine.", _engine, "|".join(ENGINES))
+    keep: int = _option(2, "Keep the last N checkpoints (plus the best).", _int(1), "N")
+    force: bool = _option(
+        False, "Train again even if the run finished (old checkpoints are archived).", _bool,
+        kind="flag", sbatch="--force in a job that is requeued would archive the checkpoints "
+        "at every restart")
+    term_timeout: float = _option(10.0, "Wait this long after SIGTERM before SIGKILL.",
+                                  _duration, "DURATION")
+    checkpoint_signal: str = _option(
+        "USR1", "Signal meaning 'checkpoint now, then stop' besides SIGTERM.", _signal, "SIG")
     #: A run on several nodes, each starting its own part of the command under its own
     #: launcher (Kubernetes pods): how many, and which one this is (0 leads).
-    nodes: int = 1
-    node_rank: int = 0
+    nodes: int = _option(1, "The run spans N nodes, each starting its own part of the "
+                         "command under procckpt run (Kubernetes pods).", _int(1), "N",
+                         sbatch=SBATCH_OWN)
+    node_rank: int = _option(
+        0, "Which of the --nodes this is; node 0 leads, the others follow its cycles.",
+        _int(0), "K", sbatch="in a Slurm job srun starts every node's ranks: give sbatch "
+        "--nodes, and torchrun or srun inside the job")
 
     def grace_for(self, limit: float | None) -> float:
         """Seconds before the deadline at which to ask for the checkpoint.
@@ -66,109 +212,33 @@ class RunConfig:
         return min(DEFAULT_GRACE, limit / 4)
 
 
-def _duration(name: str) -> Callable[[Any], float]:
-    return lambda v: parse_duration(v, what=f"{name.replace('_', '-')}")
+def _declared() -> dict[str, Option]:
+    out = {}
+    for f in fields(RunConfig):
+        if "option" in f.metadata:
+            out[f.name] = Option(**{**f.metadata["option"].__dict__, "name": f.name})
+    return out
 
 
-def _duration_or_auto(name: str, shortest: float) -> Callable[[Any], float | str | None]:
-    """A duration of at least ``shortest`` seconds, ``auto`` or ``off``; off is None."""
-    option = name.replace("_", "-")
-
-    def convert(v: Any) -> float | str | None:
-        text = str(v).strip().lower()
-        if text == AUTO:
-            return AUTO
-        if text in (OFF, "none"):
-            return None
-        try:
-            seconds = parse_duration(v, what=option)
-        except UsageError as e:
-            raise UsageError(f"{e}; or auto, or off") from None
-        if seconds == 0:
-            raise UsageError(f"bad {option} {v!r}: 0 is no duration; to turn it off say off")
-        if seconds < shortest:
-            raise UsageError(f"bad {option} {v!r}: at least {shortest:g}s ({_SHORTEST_WHY[name]})"
-                             "; or auto, or off")
-        return seconds
-    return convert
+#: Every run option, in the order ``--help`` lists them.
+OPTIONS: dict[str, Option] = _declared()
 
 
-#: Why the options taking a duration or auto have a floor.
-_SHORTEST_WHY = {
-    "interval": "a shorter one would checkpoint at every step",
-    "hang_timeout": "the training reports its progress once a second, so a shorter one "
-                    "would stop a healthy run",
-}
-
-
-def _int(name: str, minimum: int) -> Callable[[Any], int]:
-    def convert(v: Any) -> int:
-        try:
-            value = int(str(v).strip())
-        except ValueError:
-            raise UsageError(f"bad {name.replace('_', '-')} {v!r}: expected a whole number") from None
-        if value < minimum:
-            raise UsageError(f"bad {name.replace('_', '-')} {v!r}: must be at least {minimum}")
-        return value
-    return convert
-
-
-def _bool(name: str) -> Callable[[Any], bool]:
-    def convert(v: Any) -> bool:
-        if isinstance(v, bool):
-            return v
-        text = str(v).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-        raise UsageError(f"bad {name.replace('_', '-')} {v!r}: expected true or false")
-    return convert
-
-
-def _engine(v: Any) -> str:
-    text = str(v).strip().lower()
-    if text not in ENGINES:
-        raise UsageError(f"bad engine {v!r}: choose one of {', '.join(ENGINES)}")
-    return text
-
-
-def _signal(v: Any) -> str:
-    import signal as _sig
-
-    name = str(v).strip().upper().removeprefix("SIG")
-    if not hasattr(_sig, f"SIG{name}") or name in ("KILL", "STOP"):
-        raise UsageError(f"bad checkpoint signal {v!r}: use e.g. USR1, TERM or URG")
-    return name
-
-
-_CONVERTERS: dict[str, Callable[[Any], Any]] = {
-    "dir": lambda v: _dir(v),
-    "time_limit": _duration("time_limit"),
-    "grace": _duration("grace"),
-    "interval": _duration_or_auto("interval", 1.0),
-    "mtbf": _duration("mtbf"),
-    "hang_timeout": _duration_or_auto("hang_timeout", 5.0),
-    "max_restarts": _int("max_restarts", 0),
-    "restart_on_failure": _bool("restart_on_failure"),
-    "engine": _engine,
-    "keep": _int("keep", 1),
-    "force": _bool("force"),
-    "term_timeout": _duration("term_timeout"),
-    "checkpoint_signal": _signal,
-    "nodes": _int("nodes", 1),
-    "node_rank": _int("node_rank", 0),
-}
-
-
-def _dir(v: Any) -> Path:
-    if not isinstance(v, (str, os.PathLike)) or not str(v).strip():
-        raise UsageError(f"bad dir {v!r}: give a directory path")
-    return Path(os.path.expanduser(str(v)))
-
-
-def _env_name(option: str) -> str:
-    return "PROCCKPT_" + option.upper()
+def shown_default(option: Option) -> str:
+    """The default of ``option`` as the help and docs show it."""
+    if option.shown_default is not None:
+        return option.shown_default
+    default = next(f.default for f in fields(RunConfig) if f.name == option.name)
+    if option.kind != "value":
+        return "off" if not default else "on"
+    if default is None:
+        return "none"
+    if option.convert is _duration:
+        for unit, seconds in (("h", 3600), ("m", 60)):
+            if default % seconds == 0:
+                return f"{default / seconds:g}{unit}"
+        return f"{default:g}s"
+    return str(default)
 
 
 def _read_file(path: Path, explicit: bool) -> dict[str, Any]:
@@ -189,8 +259,8 @@ def _read_file(path: Path, explicit: bool) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in _CONVERTERS:
-            valid = ", ".join(sorted(k.replace("_", "-") for k in _CONVERTERS))
+        if name not in OPTIONS:
+            valid = ", ".join(option.flag[2:] for option in OPTIONS.values())
             raise UsageError(f"unknown option {key!r} in {path}; valid options: {valid}")
         if value is None or isinstance(value, (list, dict)):
             shown = "empty" if value is None else f"a {type(value).__name__}"
@@ -207,15 +277,22 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
     path = Path(config_path) if config_path else Path(CONFIG_FILE)
     values: dict[str, Any] = {}
     values.update(_read_file(path, explicit=config_path is not None))
-    for name in _CONVERTERS:
-        env_value = environ.get(_env_name(name))
+    for option in OPTIONS.values():
+        env_value = environ.get(option.env)
         if env_value not in (None, ""):
-            values[name] = env_value
-    values.update({k: v for k, v in cli.items() if v is not None and k in _CONVERTERS})
-    converted = {name: _CONVERTERS[name](value) for name, value in values.items()}
+            values[option.name] = env_value
+    values.update(cli)
+    config = config_from(values, command)
+    _check_training_environment(environ)
+    return config
+
+
+def config_from(values: Mapping[str, Any], command: list[str]) -> RunConfig:
+    """A validated RunConfig from option values as given (None: not given), no other source."""
+    converted = {name: OPTIONS[name].convert(value, OPTIONS[name].flag[2:])
+                 for name, value in values.items() if value is not None and name in OPTIONS}
     config = RunConfig(command=list(command), **converted)
     _validate(config)
-    _check_training_environment(environ)
     return config
 
 
@@ -226,17 +303,20 @@ def _check_training_environment(environ: Mapping[str, str]) -> None:
         switch.read(environ)
 
 
+def check_grace(grace: float, limit: float | None) -> None:
+    """The one grace-versus-limit rule, for run, sbatch (the job's -t) and k8s."""
+    if grace <= 0:
+        raise UsageError(f"bad grace {grace:g}s: must be positive")
+    if limit is not None and grace >= limit:
+        raise UsageError(f"grace ({grace:g}s) must be shorter than the time limit ({limit:g}s): "
+                         "the checkpoint is asked for at limit - grace")
+
+
 def _validate(config: RunConfig) -> None:
     if config.time_limit is not None and config.time_limit <= 0:
         raise UsageError("time-limit must be positive")
-    if config.time_limit is not None and config.grace is not None \
-            and config.grace >= config.time_limit:
-        raise UsageError(
-            f"grace ({config.grace:g}s) must be shorter than the time limit "
-            f"({config.time_limit:g}s): the checkpoint is asked for at limit - grace"
-        )
-    if isinstance(config.interval, float) and config.interval <= 0:
-        raise UsageError("interval must be positive")
+    if config.grace is not None:
+        check_grace(config.grace, config.time_limit)
     if config.mtbf <= 0:
         raise UsageError("mtbf must be positive: the expected time between failures")
     if config.node_rank >= config.nodes:
@@ -248,4 +328,4 @@ def _validate(config: RunConfig) -> None:
 
 
 def option_names() -> list[str]:
-    return [f.name for f in fields(RunConfig) if f.name != "command"]
+    return list(OPTIONS)

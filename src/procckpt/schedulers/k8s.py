@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from ..errors import EX_TEMPFAIL, UsageError
+from ..launcher.config import DEFAULT_GRACE, RunConfig, check_grace
 
 __all__ = ["K8sJobSpec", "job_manifest", "service_manifest", "render_manifest", "EXIT_MARGIN",
            "CONTAINER", "NODE_RANK_ENV"]
@@ -88,8 +89,8 @@ class K8sJobSpec:
     gpu_resource: str = "nvidia.com/gpu"
     node_selector: dict[str, str] = field(default_factory=dict)
     queue: str | None = None
-    grace: float = 60.0
-    max_restarts: int = 20
+    grace: float = DEFAULT_GRACE
+    max_restarts: int = RunConfig.max_restarts
     time_limit: float | None = None
     env: dict[str, str] = field(default_factory=dict)
     shm: str | None = None
@@ -141,8 +142,7 @@ class K8sJobSpec:
         for key in self.env:
             if not _ENV_NAME.match(key):
                 raise UsageError(f"bad --env name {key!r}: letters, digits and '_'")
-        if self.grace <= 0:
-            raise UsageError("--grace must be positive")
+        check_grace(self.grace, self.time_limit)
         if self.max_restarts < 0:
             raise UsageError("--max-restarts must be 0 or more")
         if self.nodes < 1:
@@ -150,9 +150,6 @@ class K8sJobSpec:
         if self.nodes > 1:
             check_group_command(self.command)
             check_group_name(self.name, self.nodes)
-        if self.time_limit is not None and self.time_limit <= self.grace:
-            raise UsageError(f"--time-limit ({self.time_limit:g}s) must be longer than --grace "
-                             f"({self.grace:g}s)")
 
 
 def check_label_key(key: str, what: str) -> None:

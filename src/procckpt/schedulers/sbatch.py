@@ -30,7 +30,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import textwrap
@@ -38,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..launcher.config import DEFAULT_GRACE, RunConfig, load_config
+from ..launcher.config import (DEFAULT_GRACE, OPTIONS, PASSED_ON, SBATCH_OWN, RunConfig,
+                               check_grace, load_config)
 from ..errors import EX_TEMPFAIL, ProcckptError, UsageError
 from .slurm import ENV_CHAIN, ENV_END_TIME, parse_time_limit, sbatch_directives
 
@@ -46,15 +46,16 @@ __all__ = ["SbatchSpec", "parse_sbatch_args", "render_job_script", "submit", "sb
 
 logger = logging.getLogger(__name__)
 
-#: ``procckpt run`` options that ``procckpt sbatch`` passes on (they take a value).
-RUN_VALUE_OPTIONS = ("--dir", "--grace", "--interval", "--mtbf", "--hang-timeout", "--max-restarts",
-                     "--engine", "--keep", "--term-timeout", "--checkpoint-signal", "--config")
-RUN_FLAG_OPTIONS = ("--restart-on-failure", "--no-restart-on-failure")
+#: ``procckpt run`` options that ``procckpt sbatch`` passes on, and those it refuses and why
+#: (from the run option table; --config, the file of both, is passed on too).
+RUN_VALUE_OPTIONS = (*(o.flag for o in OPTIONS.values() if o.sbatch == PASSED_ON
+                       and o.kind != "switch"), "--config")
+RUN_FLAG_OPTIONS = tuple(f for o in OPTIONS.values() if o.sbatch == PASSED_ON
+                         and o.kind == "switch" for f in o.flags())
 #: Options of the sbatch command itself, not of the job: they stay on its command line.
 SUBMIT_FLAGS = ("--parsable", "--test-only", "--wait", "-W", "--quiet", "-Q")
 REFUSED = {
-    "--time-limit": "in a Slurm job the time limit is the job's own: use -t/--time",
-    "--force": "--force in a job that is requeued would archive the checkpoints at every restart",
+    **{o.flag: o.sbatch for o in OPTIONS.values() if o.sbatch not in (PASSED_ON, SBATCH_OWN)},
     "--wrap": "procckpt writes the job script: put the command after --",
 }
 SHELLS = ("bash", "sh", "zsh", "dash", "ksh")
@@ -178,12 +179,6 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
             if value is None:
                 raise UsageError(f"{name} needs a value")
             spec.run_options += [name, value]
-            if name == "--checkpoint-signal":
-                signal_option = value.upper().removeprefix("SIG")
-                if not hasattr(signal, f"SIG{signal_option}") or signal_option in ("KILL", "STOP"):
-                    raise UsageError(f"bad checkpoint signal {value!r}: use e.g. USR1 or URG")
-            elif name == "--max-restarts":
-                spec.max_restarts = _positive_int(name, value, minimum=0)
         elif name in RUN_FLAG_OPTIONS:
             spec.run_options.append(name)
         elif name.startswith(("--container-", "--no-container-")):
@@ -215,10 +210,10 @@ def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
     # this directory with this environment, Slurm's defaults).
     config = run_config(spec.run_options, spec.command)
     grace = config.grace_for(limit)
-    if limit is not None and grace >= limit:
-        raise UsageError(f"grace ({grace:g}s) must be shorter than the time limit ({limit:g}s)")
+    check_grace(grace, limit)
     spec.grace = max(1, math.ceil(grace))
-    if signal_option is None and config.checkpoint_signal != "USR1":
+    spec.max_restarts = config.max_restarts
+    if "--checkpoint-signal" in spec.run_options or config.checkpoint_signal != "USR1":
         signal_option = config.checkpoint_signal
 
     user_signal = _option(spec.all_directives, "--signal")
