@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from procckpt.report import render_report
+from procckpt.inspect.report import render_report
 from procckpt.store import MARKER
 
 

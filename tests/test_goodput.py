@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from procckpt.goodput import KINDS, compute_goodput
+from procckpt.inspect.goodput import KINDS, compute_goodput
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit

@@ -108,9 +108,7 @@ MAY_IMPORT = {
     "schedulers": BASE | {"store", "protocol", "launcher"},
     "training": BASE | {"store", "protocol", "schedulers"},
     "integrations": BASE | {"store", "protocol", "training"},
-    "goodput": BASE | {"store", "protocol"},
-    "status": BASE | {"store", "protocol", "goodput"},
-    "report": BASE | {"store", "protocol", "goodput", "status"},
+    "inspect": BASE | {"store", "protocol"},
     "check": BASE | {"store", "protocol", "launcher", "training"},
     "procckpt": BASE | {"training"},  # the package's __init__: the script's API
 }

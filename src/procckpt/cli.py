@@ -207,12 +207,12 @@ def status(directory: str, no_verify: bool, events: int, as_json: bool) -> None:
     if as_json:
         import json
 
-        from .status import status_data
+        from .inspect.status import status_data
 
         data = status_data(Path(directory), events=events, verify=not no_verify)
         click.echo(json.dumps(data, indent=1, default=str))
         return
-    from .status import render_status
+    from .inspect.status import render_status
 
     click.echo(render_status(Path(directory), events=events, verify=not no_verify))
 
@@ -229,7 +229,7 @@ def report(directory: str, output: str | None) -> None:
     Example:
         procckpt report procckpt-checkpoints -o run.html   # then open it, or scp it home
     """
-    from .report import write_report
+    from .inspect.report import write_report
 
     path = write_report(Path(directory), Path(output) if output else None)
     click.echo(f"wrote {path}")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.report import COLOURS, PLOT_BACKGROUND
+from procckpt.inspect.report import COLOURS, PLOT_BACKGROUND
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 

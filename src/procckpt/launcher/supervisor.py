@@ -408,7 +408,7 @@ class Supervisor:
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"
                     if end is not None else "")
         # The lead and period in force, and (for the first cycle) when the scheduler started
-        # the job: procckpt status and report read them (goodput.py).
+        # the job: procckpt status and report read them (inspect/goodput.py).
         job_started = self.deadline.job_started if self.cycles == 1 else None
         append_event(self.store.events_path, "cycle", cycle=self.cycles, pid=child.pid,
                      restart=restarts, engine=self.engine.name,

@@ -1,6 +1,6 @@
 """What the launcher cannot see of a cycle's time: when the training became ready, and how much
 longer its first step took than its second (compiling, warming caches), for ``procckpt status``
-and ``procckpt report`` (goodput.py). Two events a cycle, from rank 0 of a launched run."""
+and ``procckpt report`` (inspect/goodput.py). Two events a cycle, from rank 0 of a launched run."""
 
 from __future__ import annotations
 

@@ -16,12 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .durations import format_duration
-from .errors import StoreError
+from ..durations import format_duration
+from ..errors import StoreError
 from .goodput import KINDS, Goodput, Segment, compute_goodput
-from .protocol.events import read_events
+from ..protocol.events import read_events
 from .status import LABELS, damaged_journal, opened_for_reading, status_data
-from .store.files import write_file_atomic
+from ..store.files import write_file_atomic
 
 __all__ = ["render_report", "write_report", "COLOURS"]
 

@@ -7,12 +7,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .durations import format_duration
-from .errors import CheckpointReadError, StoreError
+from ..durations import format_duration
+from ..errors import CheckpointReadError, StoreError
 from .goodput import Goodput, compute_goodput
-from .protocol.events import read_events, unreadable_lines
-from .store import MARKER, CheckpointStore
-from .store.store import format_size
+from ..protocol.events import read_events, unreadable_lines
+from ..store import MARKER, CheckpointStore
+from ..store.store import format_size
 
 __all__ = ["render_status", "status_data", "LABELS"]
 
