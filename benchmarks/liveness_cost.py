@@ -1,7 +1,7 @@
 """``python benchmarks/liveness_cost.py``: what hang detection's sampler costs the training.
 
 Under ``procckpt run`` rank 0's Checkpointer samples its training thread five times a second
-(training/liveness.py). This runs a dispatch-bound loop of tiny torch steps (one thread, the
+(training/link/liveness.py). This runs a dispatch-bound loop of tiny torch steps (one thread, the
 kind of loop where a GIL-taking thread shows most) with and without a sampler, interleaved,
 and prints the median step time of each, their ratio, and the sampler thread's own CPU time
 (from /proc/self/task/TID/schedstat) as a share of a core.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from procckpt.protocol.control import ControlChannel
-from procckpt.training.liveness import Liveness
+from procckpt.training.link.liveness import Liveness
 
 
 def thread_cpu_seconds(native_id: int) -> float:

@@ -184,7 +184,7 @@ def seeding_cost() -> float:
 
     import numpy  # noqa: F401 - seeded too when a script has imported it
 
-    from procckpt.training.loaders import sample_seed, seed_streams
+    from procckpt.training.position.loaders import sample_seed, seed_streams
 
     runs = timeit.repeat(lambda: seed_streams(sample_seed(12345, 678)), number=2000, repeat=5)
     return statistics.median(runs) / 2000

@@ -9,8 +9,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from procckpt.errors import UsageError
-from procckpt.training.loaders import SKIPPED, check_loader, open_at
-from procckpt.training.rng import capture_rng, restore_rng
+from procckpt.training.position.loaders import SKIPPED, check_loader, open_at
+from procckpt.training.position.rng import capture_rng, restore_rng
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -107,7 +107,7 @@ def test_loader_settings_no_resume_can_repeat_are_refused():
 
 # -- a loader that changed since the checkpoint ----------------------------------------------
 def test_a_changed_batch_size_passes_over_the_same_samples_or_is_refused():
-    from procckpt.training.loaders import loader_shape, map_position
+    from procckpt.training.position.loaders import loader_shape, map_position
 
     saved = loader_shape(DataLoader(Noisy(320), batch_size=32))
     assert saved == {"batch_size": 32, "batches": 10, "samples": 320}
@@ -181,8 +181,8 @@ class TransformWithItsOwnRandom(Noisy):
 
 
 def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sample():
-    from procckpt.training.loaders import sample_seed, seed_streams
-    from procckpt.training.probe import not_repeatable
+    from procckpt.training.position.loaders import sample_seed, seed_streams
+    from procckpt.training.position.probe import not_repeatable
 
     def _not_repeatable(dataset: Dataset) -> str:
         return not_repeatable(dataset, lambda i: seed_streams(sample_seed(0, i)))
@@ -196,7 +196,7 @@ def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sampl
     assert "self.rng" in _not_repeatable(Noisy(own=True)) or "differed" in \
         _not_repeatable(Noisy(own=True))
     assert _not_repeatable(LazyFile()) == ""  # no replay for a lazy open or a read counter
-    from procckpt.training.probe import own_state
+    from procckpt.training.position.probe import own_state
 
     assert list(own_state(TransformWithItsOwnRandom())) == ["self.transform.rng"]
     assert _not_repeatable(TransformWithItsOwnRandom()) != ""

@@ -7,7 +7,7 @@ The command runs the script under ``procckpt run`` (hooks engine) in throwaway c
     C  stopped at step K (checkpoint, exit), then    the real resume: a new process, the
        run again: resumes, goes on to step N         checkpoint, the restored position
 
-Each run records a CRC-32 of every part of the state after every step (training/check.py) and
+Each run records a CRC-32 of every part of the state after every step (training/fingerprints.py) and
 saves a checkpoint at step N. The verdict compares B with A (else a resume could not be judged)
 and C with A: the saved state at step N part by part, bit for bit, and the first step whose
 fingerprint differs, so the part that is lost on a resume, and from when, can be named.
@@ -234,7 +234,7 @@ def _saved_differences(x: Path, y: Path) -> list[str]:
     """The parts in which the newest checkpoints of two dirs differ (every ``.pt`` file)."""
     import torch
 
-    from ..training.check import fingerprints
+    from ..training.fingerprints import fingerprints
 
     def newest(root: Path) -> Path:
         return sorted((root / "checkpoints").glob("ckpt-*"))[-1]

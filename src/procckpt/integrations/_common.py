@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import ProcckptError
 from ..store import MARKER, CheckpointInfo, CheckpointStore
 from ..training.checkpointer import Checkpointer
-from ..training.context import default_dir
+from ..training.link.context import default_dir
 
 __all__ = ["newest_verified", "checkpointer_resumed_from"]
 

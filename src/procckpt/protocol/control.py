@@ -98,7 +98,7 @@ class Ack:
 @dataclass(frozen=True)
 class Heartbeat:
     """The training's last word that it is making progress: the step it reached, how often
-    it was seen to move (training/liveness.py), the longest stretch between two of its safe
+    it was seen to move (training/link/liveness.py), the longest stretch between two of its safe
     points so far, and when."""
 
     step: int

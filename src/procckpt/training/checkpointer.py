@@ -28,17 +28,17 @@ from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
 from . import loops
-from .check import check_hook
-from .context import DEFAULT_DIR, LaunchContext, default_dir
-from .failures import open_control
-from .liveness import Liveness, NoLiveness
+from .fingerprints import check_hook
+from .link.context import DEFAULT_DIR, LaunchContext, default_dir
+from .link.failures import open_control
+from .link.liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .member import CheckpointerAsMember
-from .progress import Progress
+from .position.progress import Progress
 from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
 from .saving import Saves, background_savers
-from .timing import CycleTimer
-from .triggers import SaveTriggers
+from .link.timing import CycleTimer
+from .link.triggers import SaveTriggers
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from torch.utils.data import DataLoader
 
 from ..errors import ProcckptError, logged_exit
-from .loaders import SeededSamples, streams_kept, swapped
+from .position.loaders import SeededSamples, streams_kept, swapped
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer

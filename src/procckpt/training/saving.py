@@ -22,7 +22,7 @@ from .io.background import BackgroundSaver, WriteResult, async_wanted, staged
 from .io.fence import StepFence
 from .io.writer import write_checkpoint
 from .payload import PAYLOAD
-from .triggers import SaveTriggers
+from .link.triggers import SaveTriggers
 
 __all__ = ["Saves", "background_savers"]
 

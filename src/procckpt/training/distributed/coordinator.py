@@ -352,7 +352,7 @@ class DistributedCoordinator:
                                saved_world)
                 # Its streams as the script seeded them, standing in for "now" and for the
                 # epoch's start (a mid-epoch resume replays the epoch from the latter).
-                from ..rng import capture_rng
+                from ..position.rng import capture_rng
 
                 payload = {**payload, "rng": capture_rng(), "epoch_rng": capture_rng()}
             return payload

@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from ..protocol import control as ctl
+from ...protocol import control as ctl
 
 __all__ = ["Liveness", "NoLiveness", "SAMPLE_SECONDS", "HEARTBEAT_SECONDS",
            "stack_fingerprint"]

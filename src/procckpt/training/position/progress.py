@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..protocol.events import append_event
+from ...protocol.events import append_event
 from .loaders import (align_epoch, check_loader, loader_generators, loader_shape, map_position,
                       open_at, usable_state)
 from .rng import capture_rng, generator_states, restore_generators, restore_rng

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from types import TracebackType
 
-from ..protocol import control as ctl
+from ...protocol import control as ctl
 
 __all__ = ["open_control"]
 

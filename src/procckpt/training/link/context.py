@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import EX_TEMPFAIL, ProcckptError
-from ..protocol import control as ctl
+from ...errors import EX_TEMPFAIL, ProcckptError
+from ...protocol import control as ctl
 
 __all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested"]
 

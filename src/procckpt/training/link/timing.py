@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..protocol.events import append_event
+from ...protocol.events import append_event
 
 __all__ = ["CycleTimer"]
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from ..errors import UsageError
+from ...errors import UsageError
 from .probe import not_repeatable
 
 __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples",

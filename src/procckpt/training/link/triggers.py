@@ -16,9 +16,9 @@ import sys
 import threading
 import time
 
-from ..protocol import control as ctl
-from ..store import CheckpointInfo
-from .distributed import Flags
+from ...protocol import control as ctl
+from ...store import CheckpointInfo
+from ..distributed import Flags
 
 __all__ = ["SaveTriggers", "POLL_SECONDS"]
 
