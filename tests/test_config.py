@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.launcher.config import load_config
+from procckpt.launcher.config import OPTIONS, load_config
 from procckpt.errors import UsageError
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
@@ -14,7 +14,9 @@ def test_cli_beats_env_beats_file(tmp_path: Path):
     cfg = tmp_path / "p.yaml"
     cfg.write_text("time-limit: 1h\ngrace: 5m\nmax_restarts: 3\nkeep: 4\n")
     env = {"PROCCKPT_GRACE": "2m", "PROCCKPT_MAX_RESTARTS": "7"}
-    config = load_config({"max_restarts": "9"}, ["true"], config_path=str(cfg), environ=env)
+    not_given = {name: None for name in OPTIONS}  # what click passes for an option not given
+    config = load_config({**not_given, "max_restarts": "9"}, ["true"], config_path=str(cfg),
+                         environ=env)
     assert config.time_limit == 3600  # file only
     assert config.grace == 120  # env beats file
     assert config.max_restarts == 9  # CLI beats env

@@ -281,7 +281,7 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
         env_value = environ.get(option.env)
         if env_value not in (None, ""):
             values[option.name] = env_value
-    values.update(cli)
+    values.update({name: value for name, value in cli.items() if value is not None})
     config = config_from(values, command)
     _check_training_environment(environ)
     return config

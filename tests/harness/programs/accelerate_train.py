@@ -1,0 +1,65 @@
+"""An Accelerate training script with procckpt's three lines around the prepared model,
+optimizer and loader: a shuffling DataLoader (0 or more workers) over a data set with a random
+transform in ``__getitem__``, dropout, a step-wise LR schedule. Writes the final weights to
+``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank (Accelerate
+finds the group from torchrun's environment).
+
+Prints "step N" after each step."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from torch.utils.data import DataLoader
+
+import framework_common
+import procckpt
+
+
+def main() -> None:
+    parser = framework_common.parser()
+    parser.add_argument("--accumulate", type=int, default=None,
+                        help="sum the gradients of this many micro-batches before each "
+                             "optimizer step (with accelerator.accumulate)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=not args.cuda,
+                              gradient_accumulation_steps=args.accumulate or 1)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
+    loader = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True,
+                        num_workers=args.workers)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader,
+                                                              scheduler)
+
+    ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer, scheduler=scheduler)
+    marker = Path("hung-once")
+    for _epoch in ckpt.epochs(args.epochs):
+        for x, y in ckpt.batches(loader):
+            with accelerator.accumulate(model) if args.accumulate else contextlib.nullcontext():
+                loss = nn.functional.cross_entropy(model(x), y)
+                accelerator.backward(loss)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            step = ckpt.step + 1
+            if step == args.hang_at_step and not marker.exists():
+                marker.touch()
+                time.sleep(3600)  # stuck: only the hang timeout ends this
+            print(f"step {step}", flush=True)
+    if args.out and accelerator.is_main_process:
+        state = accelerator.unwrap_model(model).state_dict()
+        torch.save({k: v.cpu() for k, v in state.items()}, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""A Lightning training script with procckpt's three lines: a shuffling DataLoader (0 or more
+workers) over a data set with a random transform in ``__getitem__``, dropout, a step-wise LR
+schedule, validation after each epoch. Run under ``procckpt run`` (or alone); writes the final
+weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank.
+
+Prints "resume_from PATH" (or "resume_from -") and "step N" after each training step."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import framework_common
+from procckpt.integrations.lightning import ProcckptCallback
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, step_sleep: float, hang_at_step: int | None, marker: Path) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+        self.step_sleep, self.hang_at_step, self.marker = step_sleep, hang_at_step, marker
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.step_sleep:
+            time.sleep(self.step_sleep)
+        step = self.trainer.global_step + 1
+        if step == self.hang_at_step and not self.marker.exists():
+            self.marker.touch()
+            time.sleep(3600)  # stuck: only the hang timeout ends this
+        print(f"step {step}", flush=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler,
+                                                         "interval": "step"}}
+
+
+def main() -> None:
+    parser = framework_common.parser()
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = Classifier(args.step_sleep, args.hang_at_step, Path("hung-once"))
+    train = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True, num_workers=args.workers)
+    val = DataLoader(framework_common.NoisyBlobs(32, seed=2), batch_size=16)
+
+    cb = ProcckptCallback()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"resume_from {cb.resume_from or '-'}", flush=True)
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="gpu" if args.cuda else "cpu",
+                        devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
+                        callbacks=[cb], logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, train, val, ckpt_path=cb.resume_from)
+    if args.out and trainer.global_rank == 0:
+        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
+
+
+if __name__ == "__main__":
+    main()
