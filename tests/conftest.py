@@ -14,7 +14,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-PROGRAMS = Path(__file__).resolve().parent / "programs"
+PROGRAMS = Path(__file__).resolve().parent / "harness" / "programs"
 PYTHON = sys.executable
 
 
@@ -70,7 +70,7 @@ def mounted_tmpfs(mount: Path, size: str = "4m") -> Iterator[Path]:
 def slurm_cluster(tmp_path_factory):
     """A throwaway single-node Slurm cluster on loopback (skips with the reason if it cannot
     run here: not root, or slurm-wlm/munge missing)."""
-    from .slurm_cluster import slurm_cluster_fixture
+    from .harness.slurm_cluster import slurm_cluster_fixture
 
     yield from slurm_cluster_fixture(tmp_path_factory.mktemp("slurm"))
 

@@ -30,7 +30,7 @@ from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
 from procckpt.errors import ProcckptError, StorageError, UsageError
 
-from .slurm_cluster import free_port
+from .harness.slurm_cluster import free_port
 
 # -- pure parts ------------------------------------------------------------------------------
 

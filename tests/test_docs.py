@@ -19,7 +19,8 @@ from .conftest import REPO
 pytestmark = pytest.mark.unit
 
 DOCS = REPO / "docs"
-PAGES = [REPO / "README.md", REPO / "tests" / "README.md", *sorted(DOCS.glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "tests" / "README.md", REPO / "benchmarks" / "README.md",
+         REPO / "examples" / "README.md", *sorted(DOCS.glob("*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 #: Commands whose unknown options are not errors: sbatch hands them to Slurm.
 PASS_THROUGH = {"sbatch"}

@@ -199,7 +199,7 @@ def test_a_script_that_ends_while_the_arena_is_being_reserved_keeps_its_exit_cod
         tmp_path: Path) -> None:
     """A script that fails a step after the reserve began exits with its own code, not with
     SIGABRT: a daemon thread still inside torch at interpreter shutdown aborted the process
-    ("terminate called without an active exception"; 4 of 20 runs of tests/programs/
+    ("terminate called without an active exception"; 4 of 20 runs of tests/harness/programs/
     tiny_train.py --fail-at-step 4). The reserve is made slow here so that it is certainly
     still inside torch when the script ends: several large torch ops, then the real one."""
     program = """
@@ -225,7 +225,7 @@ raise SystemExit(3)
 
 def test_an_arena_reserved_ahead_is_the_one_the_first_checkpoint_copies_into(
         tmp_path: Path) -> None:
-    """Issue 12: the first checkpoint stalls like the others: its memory was made after the
+    """The first checkpoint stalls like the others: its memory was made after the
     first step, in the background, while training went on."""
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
     optimizer = torch.optim.Adam(model.parameters())  # its state appears at the first step

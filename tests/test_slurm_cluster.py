@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from .slurm_cluster import SlurmCluster, slurm_cluster_fixture
+from .harness.slurm_cluster import SlurmCluster, slurm_cluster_fixture
 
 pytestmark = pytest.mark.slurm
 

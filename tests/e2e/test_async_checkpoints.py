@@ -1,6 +1,6 @@
 """Background (async) checkpoints end to end: real processes, real signals, real files.
 
-The training program is tests/programs/async_train.py. Where a test must act while a write
+The training program is tests/harness/programs/async_train.py. Where a test must act while a write
 is in flight, the program slows its own writes down (``--write-pause``): the write is real,
 only longer. About 60 s in all, most of it interpreter and torch start-up.
 """
@@ -22,7 +22,9 @@ from procckpt.protocol.control import ControlChannel
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
-PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "async_train.py"
+from ..conftest import PROGRAMS
+
+PROGRAM = PROGRAMS / "async_train.py"
 #: Settings that make each background write take a couple of seconds.
 SLOW = ["--width", "2048", "--chunk", "16384", "--write-pause", "0.08"]
 EX_TEMPFAIL = 75

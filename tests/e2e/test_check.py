@@ -1,4 +1,4 @@
-"""Issue 26: ``procckpt check`` tells a script that resumes exactly from one that does not, and
+"""``procckpt check`` tells a script that resumes exactly from one that does not, and
 from one that is not deterministic at all; real scripts, real processes, real resumes."""
 
 from __future__ import annotations
@@ -38,9 +38,17 @@ def test_a_script_that_resumes_exactly_is_said_to_be_exact(workdir: Path):
     assert "rng.torch" in details[0] and "progress" in details[0]
 
 
+def test_the_nanogpt_example_with_its_batch_fetched_ahead_is_exact(workdir: Path):
+    done = check(workdir, PYTHON, str(EXAMPLES / "nanogpt_train.py"), "--max-iters", "30",
+                 "--eval-every", "10", steps=12)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: stopped in the middle at step 6"), done.stdout
+    assert "extras.batch" in done.stdout.splitlines()[1], done.stdout
+
+
 def test_a_recurrent_state_carried_in_a_local_differs_and_kept_in_extras_is_exact(
         workdir: Path):
-    script = [PYTHON, str(PROGRAMS / "recurrent_train.py")]
+    script = [PYTHON, str(EXAMPLES / "recurrent_train.py")]
     local = check(workdir, *script, "--hidden", "local")
     assert local.returncode == 1, local.stdout + local.stderr[-3000:]
     first = local.stdout.splitlines()[0]
@@ -64,7 +72,7 @@ def test_a_batch_fetched_ahead_outside_extras_differs(workdir: Path):
 
 
 def test_a_script_seeded_from_the_clock_is_not_deterministic(workdir: Path):
-    done = check(workdir, PYTHON, str(PROGRAMS / "recurrent_train.py"), "--hidden", "extras",
+    done = check(workdir, PYTHON, str(EXAMPLES / "recurrent_train.py"), "--hidden", "extras",
                  "--seed", "clock")
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     assert done.stdout.startswith("not deterministic: two runs without a resume already "

@@ -1,4 +1,4 @@
-"""Done-when 7: README's demo shows a run interrupted by its time limit, restarted and finished,
+"""README's demo shows a run interrupted by its time limit, restarted and finished,
 in under two minutes on a 2-core machine."""
 
 from __future__ import annotations

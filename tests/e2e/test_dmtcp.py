@@ -1,6 +1,6 @@
 """The DMTCP engine, end to end with real DMTCP, real processes and real signals.
 
-Done-when of issue 4: programs that know nothing about procckpt (tests/programs/plain_*.py),
+Programs that know nothing about procckpt (tests/harness/programs/plain_*.py),
 interrupted by --time-limit at least twice, continue from their process image (their printed
 step counters go on where they were, never back to the start) and end with the same result as an
 uninterrupted run; two runs at once both finish; an image killed while being written is never
@@ -27,7 +27,8 @@ import pytest
 from procckpt.protocol.events import read_events
 from procckpt.store import file_crc32
 
-from ..conftest import PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv, run
+from ..conftest import (EXAMPLES, PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv,
+                        run)
 
 NO_DMTCP = ("DMTCP is not installed (no dmtcp_launch on PATH); `module load dmtcp` or build "
             "it from https://github.com/dmtcp/dmtcp")
@@ -38,7 +39,7 @@ def needs_dmtcp(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.dmtcp(skip(test))
 
 LOOP = [PYTHON, str(PROGRAMS / "plain_loop.py")]
-TORCH = [PYTHON, str(PROGRAMS / "plain_torch_train.py")]
+TORCH = [PYTHON, str(EXAMPLES / "plain_torch_train.py")]
 
 
 def steps(stdout: str) -> list[int]:

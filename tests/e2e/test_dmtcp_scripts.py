@@ -1,4 +1,4 @@
-"""The DMTCP engine on scripts shaped like real ones (issue 14), with real DMTCP: a script that
+"""The DMTCP engine on scripts shaped like real ones, with real DMTCP: a script that
 runs a subprocess now and then, one with DataLoader worker processes, and a stop that arrives
 while an interval image is being taken. Each either finishes identical to an uninterrupted run
 with every step once, or stops within two cycles with the one-line diagnosis."""

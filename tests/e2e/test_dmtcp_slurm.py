@@ -1,4 +1,4 @@
-"""The DMTCP engine under a real Slurm cluster with requeue (issue 4, done-when 2).
+"""The DMTCP engine under a real Slurm cluster with requeue.
 
 Two `procckpt sbatch -t 1` jobs run side by side: the plain Python loop (engine chosen by
 ``auto``) and the plain PyTorch script (``--engine dmtcp``). Neither imports procckpt. Each needs
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, run
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, run
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 
 pytestmark = [pytest.mark.slurm, pytest.mark.dmtcp, pytest.mark.slow,
@@ -45,14 +45,14 @@ def dmtcp_jobs(slurm_cluster, tmp_path_factory: pytest.TempPathFactory):
                     [PYTHON, str(PROGRAMS / "plain_loop.py"), "--steps", str(LOOP_STEPS),
                      "--ballast-mb", "8", "--out", str(loop.workdir / "out.txt")])
     procckpt_sbatch(slurm_cluster, torch_job, ["-t", "1", "--engine", "dmtcp"],
-                    [PYTHON, str(PROGRAMS / "plain_torch_train.py"), *TORCH_ARGS,
+                    [PYTHON, str(EXAMPLES / "plain_torch_train.py"), *TORCH_ARGS,
                      "--out", str(torch_job.workdir / "final.pt")])
     watcher = JobWatcher(slurm_cluster).start()
     references = root / "reference"
     references.mkdir()
     for argv in ([PROGRAMS / "plain_loop.py", "--steps", str(LOOP_STEPS), "--step-sleep", "0",
                   "--out", references / "loop.txt"],
-                 [PROGRAMS / "plain_torch_train.py", *TORCH_ARGS[:2],
+                 [EXAMPLES / "plain_torch_train.py", *TORCH_ARGS[:2],
                   "--out", references / "torch.pt"]):
         done = run([PYTHON, *map(str, argv)], cwd=references)
         assert done.returncode == 0, done.stderr

@@ -1,4 +1,4 @@
-"""Done-when 1 of the foundation: a run interrupted by its time limit at least three times ends
+"""The foundation: a run interrupted by its time limit at least three times ends
 with parameters bit-identical (torch.equal) to an uninterrupted run of the same script."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Frameworks (issue 27): Lightning, Hugging Face Trainer and Accelerate scripts with procckpt's
+"""Frameworks: Lightning, Hugging Face Trainer and Accelerate scripts with procckpt's
 three lines, run under ``procckpt run`` with the hooks engine, resume exactly as a hand-written
 loop does.
 
@@ -17,12 +17,12 @@ import pytest
 
 from procckpt.protocol.events import read_events
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
 from .test_torchrun import torchrun
 
-PROGRAM = {"lightning": PROGRAMS / "lightning_train.py",
-           "transformers": PROGRAMS / "transformers_train.py",
-           "accelerate": PROGRAMS / "accelerate_train.py"}
+PROGRAM = {"lightning": EXAMPLES / "lightning_train.py",
+           "transformers": EXAMPLES / "transformers_train.py",
+           "accelerate": EXAMPLES / "accelerate_train.py"}
 FRAMEWORKS = list(PROGRAM)
 
 
@@ -93,7 +93,7 @@ def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framewo
                 "from lightning_train import Classifier; m = Classifier.load_from_checkpoint("
                 "sys.argv[1], step_sleep=0.0, hang_at_step=None, marker=Path('x')); "
                 "print('loaded', sum(p.numel() for p in m.parameters()))")
-        loaded = run([PYTHON, "-c", load, str(newest / "state.pt"), str(PROGRAMS)], cwd=workdir)
+        loaded = run([PYTHON, "-c", load, str(newest / "state.pt"), str(EXAMPLES)], cwd=workdir)
         assert "loaded 354" in loaded.stdout, loaded.stderr[-2000:]
     if framework == "transformers":
         # ...and to trainer.train(resume_from_checkpoint=...) a Trainer checkpoint, its

@@ -85,7 +85,7 @@ def test_persistent_workers_are_refused_with_the_fix(workdir: Path):
 
 
 def test_a_coin_flip_from_the_data_sets_own_generator_is_replayed_and_exact(workdir: Path):
-    # Issue 25: two loads of sample 0 agree by chance here; the probe must not be fooled.
+    # Two loads of sample 0 agree by chance here; the probe must not be fooled.
     args = ["--workers", "2", "--coin-flip"]
     ref, done = train(workdir, "ref", *args)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,5 +1,5 @@
-"""Issue 29: jobs that span two nodes of the test cluster, each node a network namespace of
-its own (tests/slurm_nodes.py): its own address, hostname and hosts file.
+"""Jobs that span two nodes of the test cluster, each node a network namespace of
+its own (tests/harness/slurm_nodes.py): its own address, hostname and hosts file.
 
 ``procckpt sbatch -N 2 --ntasks-per-node 1 -- srun python ddp_train.py``: one gloo rank a
 node, the launcher in the batch step on n1.
@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from ..conftest import PYTHON
-from ..slurm_cluster import FAST_TEST_TIMING, SlurmCluster, SlurmClusterError
-from ..slurm_nodes import netns_unavailable
+from ..harness.slurm_cluster import FAST_TEST_TIMING, SlurmCluster, SlurmClusterError
+from ..harness.slurm_nodes import netns_unavailable
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 from .test_srun import DDP, run_ddp_job
 from .test_torchrun import SHAPE, assert_same_run, uninterrupted

@@ -1,4 +1,4 @@
-"""``procckpt run`` as PID 1 of a new PID namespace, as in a Kubernetes pod (done-when 5).
+"""``procckpt run`` as PID 1 of a new PID namespace, as in a Kubernetes pod.
 
 A real namespace (``unshare --pid --fork --mount-proc``, needs root): the pod's SIGTERM, sent
 from the parent namespace as the kubelet's container runtime does, makes procckpt checkpoint

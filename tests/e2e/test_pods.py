@@ -1,4 +1,4 @@
-"""Issue 29, the Kubernetes shape: a run that spans two nodes, each with its own ``procckpt run
+"""The Kubernetes shape: a run that spans two nodes, each with its own ``procckpt run
 --nodes 2 --node-rank K`` around its own ``torchrun --nnodes 2 --node-rank K`` (what every pod
 of ``procckpt k8s --nodes 2`` runs), here two launchers on this machine, on loopback, sharing
 one checkpoint dir as the pods share a ReadWriteMany claim.
@@ -26,7 +26,7 @@ import pytest
 from procckpt.protocol.events import read_events
 
 from ..conftest import procckpt_argv
-from ..slurm_cluster import free_port
+from ..harness.slurm_cluster import free_port
 from .test_torchrun import DDP, SHAPE, TORCHRUN, assert_same_run, uninterrupted
 
 pytestmark = [pytest.mark.slow]

@@ -1,4 +1,4 @@
-"""A resume's cost and the loop shapes of issue 11: a mid-epoch resume passes over the batches
+"""A resume's cost and the loop shapes it depends on: a mid-epoch resume passes over the batches
 already trained on without reading them again (map-style loader, no workers; stateful loaders),
 says what it did and what it cost; ``ckpt.steps()`` loops resume exactly when what one step
 carries to the next is in ``ckpt.extras``, and a naive adaptation is warned about."""

@@ -1,4 +1,4 @@
-"""procckpt on a real single-node Slurm cluster (issue 3, "Done when" 1-4).
+"""procckpt on a real single-node Slurm cluster: requeue, scancel, chains, containers.
 
 All jobs are submitted at once by the module fixture and run side by side (the cluster has 8
 CPU slots), so the module takes about as long as its slowest job: ~4 minutes. Each test then
@@ -29,7 +29,7 @@ import pytest
 from procckpt.protocol.events import read_events
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
-from ..slurm_cluster import (
+from ..harness.slurm_cluster import (
     FINISHED_STATES,
     MARKER_VAR,
     SlurmCluster,
@@ -206,7 +206,7 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
               f"{' '.join(ENDLESS_ARGS)}\n")
     warned.job_id = _sbatch_file(cluster, warned, script)
 
-    # Container mode through a stand-in for Pyxis' srun (see tests/programs/pyxis_srun):
+    # Container mode through a stand-in for Pyxis' srun (see tests/harness/programs/pyxis_srun):
     # procckpt inside has no scontrol; the job script outside requeues on its exit code 75.
     container = jobs["container"]
     stub = root / "pyxis-bin"

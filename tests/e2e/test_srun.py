@@ -1,4 +1,4 @@
-"""Done-when 2 of issue 6: ``procckpt run -- srun`` with 2 tasks in a job on the real (test)
+"""``procckpt run -- srun`` with 2 tasks in a job on the real (test)
 Slurm cluster, stopped by its one-minute time limit and requeued until it finishes, ends
 bit-identical to an uninterrupted 2-rank run.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, PYTHON
-from ..slurm_cluster import SlurmCluster
+from ..harness.slurm_cluster import SlurmCluster
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 from .test_torchrun import SHAPE, assert_same_run, uninterrupted
 

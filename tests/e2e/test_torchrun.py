@@ -1,6 +1,6 @@
 """Distributed training under ``procckpt run -- torchrun``: 2 gloo ranks on CPU.
 
-Done-when 1 and 3 of issue 6: a DDP run (replicated state) and an FSDP2 run (sharded state,
+A DDP run (replicated state) and an FSDP2 run (sharded state,
 through DCP) are stopped several times by ``--time-limit`` while only rank 1 reads the launcher's
 requests (``PROCCKPT_POLL_RANKS=1``: rank 0 learns of each stop through the all-reduce alone),
 and end bit-identical (torch.equal) to uninterrupted runs: parameters, optimizer state and each

@@ -4,7 +4,11 @@ transform in ``__getitem__``, dropout, a step-wise LR schedule. Writes the final
 ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank (Accelerate
 finds the group from torchrun's environment).
 
-Prints "step N" after each step."""
+Prints "step N" after each step.
+
+    procckpt run --time-limit 1m -- python examples/accelerate_train.py --epochs 5
+    procckpt check -- python examples/accelerate_train.py --accumulate 2
+"""
 
 from __future__ import annotations
 

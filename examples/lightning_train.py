@@ -3,7 +3,11 @@ workers) over a data set with a random transform in ``__getitem__``, dropout, a 
 schedule, validation after each epoch. Run under ``procckpt run`` (or alone); writes the final
 weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank.
 
-Prints "resume_from PATH" (or "resume_from -") and "step N" after each training step."""
+Prints "resume_from PATH" (or "resume_from -") and "step N" after each training step.
+
+    procckpt run --time-limit 1m -- python examples/lightning_train.py --epochs 5
+    procckpt run -- torchrun --standalone --nproc-per-node 2 examples/lightning_train.py --ddp
+"""
 
 from __future__ import annotations
 

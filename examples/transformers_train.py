@@ -3,7 +3,11 @@ its config (no hub), a data set that masks a random token of each sample when it
 random transform), dropout, a linear LR schedule; the Trainer's own loader shuffles. Writes the
 final weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, a CPU process a rank.
 
-Prints "resume_from PATH" (or "resume_from -") and "step N" after each optimizer step."""
+Prints "resume_from PATH" (or "resume_from -") and "step N" after each optimizer step.
+
+    procckpt run --time-limit 1m -- python examples/transformers_train.py --epochs 5
+    procckpt run -- torchrun --standalone --nproc-per-node 2 examples/transformers_train.py --ddp
+"""
 
 from __future__ import annotations
 

@@ -1,68 +1,16 @@
-"""Protected by default (issue 13): periodic checkpoints without a time limit, hangs caught and
-restarted, a grace that fits what checkpoints take. Real launcher, real training processes."""
+"""Hangs: a step that never ends, a stuck rank of a torchrun group and a stuck DataLoader worker
+are caught, their stacks logged, and the run resumes to the same result; long data preparation
+and validation are no hang. Real launcher, real training processes."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from procckpt.protocol.events import read_events
-
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
-
-TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
-ASYNC = [PYTHON, str(PROGRAMS / "async_train.py")]
-
-
-def events(directory: Path, kind: str) -> list[dict]:
-    return [e for e in read_events(directory / "events.jsonl") if e.get("event") == kind]
-
-
-def reference(workdir: Path, *args: str) -> Path:
-    """The uninterrupted run's weights (the script alone, no launcher)."""
-    out = workdir / "reference.pt"
-    res = run([*TINY, *args, "--ckpt-dir", str(workdir / "ref-ckpt"), "--out", str(out)],
-              cwd=workdir)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return out
-
-
-def test_without_a_time_limit_the_rerun_after_a_sigkill_resumes_from_a_periodic_checkpoint(
-        workdir: Path):
-    args = ["--epochs", "80", "--step-sleep", "0.02"]
-    expected = reference(workdir, *args)
-    ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # No --interval and no --time-limit: periodic checkpoints come by default (auto); --mtbf
-    # says failures are frequent here, so they come within seconds.
-    argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--mtbf", "10s", "--", *TINY, *args,
-            "--out", str(out)]
-    launcher = subprocess.Popen(argv, cwd=workdir, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not [e for e in events(ckpt, "checkpoint") if e.get("step", 0) >= 60]:
-            assert launcher.poll() is None and time.monotonic() < deadline, \
-                "no periodic checkpoint past step 60"
-            time.sleep(0.1)
-        launcher.kill()  # the node (or the OOM killer) takes the launcher: no clean-up at all
-        launcher.wait(timeout=30)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    saved = max(e["step"] for e in events(ckpt, "checkpoint"))
-    again = run(argv, cwd=workdir)
-    assert again.returncode == 0, again.stderr[-3000:]
-    start = next(line for line in again.stdout.splitlines() if line.startswith("start step"))
-    assert int(start.split()[2]) >= saved >= 60, start  # not from step 0
-    assert all(e["reason"] == "interval" for e in events(ckpt, "trigger")
-               if e["action"] == "checkpoint")
-    assert_bit_identical(expected, out)
-    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
-    assert "periodic checkpoints: every" in status.stdout and "Young/Daly" in status.stdout, \
-        status.stdout
+from ..conftest import PROGRAMS, assert_bit_identical, procckpt_argv, run
+from ..harness.processes import TINY, events, reference
 
 
 @pytest.mark.parametrize("how,where", [("sleep", "stuck_waiting_for_data"),
@@ -96,24 +44,6 @@ def test_a_hung_script_is_caught_its_stacks_logged_and_it_resumes_to_the_same_re
     assert_bit_identical(expected, out)
     status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
     assert "hangs: 1" in status.stdout, status.stdout
-
-
-def test_a_grace_shorter_than_a_measured_checkpoint_is_said_with_the_number_to_use(
-        workdir: Path):
-    ckpt = workdir / "ckpt"
-    # Each checkpoint of this state is slowed to take about 3 s to become durable.
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "16s", "--grace",
-               "2s", "--interval", "3s", "--", *ASYNC, "--dir", str(ckpt), "--epochs", "4",
-               "--samples", "400", "--width", "4096", "--chunk", "65536", "--write-pause", "0.2",
-               "--step-sleep", "0.05"], cwd=workdir, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    warned = events(ckpt, "grace-short")
-    assert warned, res.stderr[-3000:]
-    assert "to become durable" in res.stderr and "pass --grace " in res.stderr
-    needed = int(warned[0]["message"].split("pass --grace ")[1].split("s")[0])
-    assert needed > 2
-    # Asked that much earlier, every stop's checkpoint was confirmed in time.
-    assert not events(ckpt, "unconfirmed")
 
 
 def test_a_stuck_rank_of_a_torchrun_group_is_caught_and_the_group_resumes_exactly(
@@ -156,4 +86,20 @@ def test_a_stuck_dataloader_worker_is_a_hang_caught_with_every_stack_and_resumed
     assert "_try_get_data" in res.stderr and "stuck_in_a_worker" in res.stderr, \
         res.stderr[-3000:]
     assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
+    assert_bit_identical(expected, out)
+
+
+def test_long_data_preparation_and_validation_are_no_hang(workdir: Path):
+    args = ["--epochs", "2", "--n", "128"]
+    expected = reference(workdir, *args)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    # 30 s of Python work after Checkpointer() before the first step, and a 30 s validation
+    # pass at the end of the first epoch: each longer than the 20 s hang timeout.
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--hang-timeout", "20s",
+               "--interval", "5s", "--", *TINY, *args, "--prepare-seconds", "30",
+               "--validate-seconds", "30", "--out", str(out)], cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert not events(ckpt, "hang") and not events(ckpt, "restart"), res.stderr[-3000:]
+    assert "looks stuck" not in res.stderr
+    assert res.stdout.count("validating") == 2
     assert_bit_identical(expected, out)

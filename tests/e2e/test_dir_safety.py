@@ -1,0 +1,263 @@
+"""The checkpoint dir is safe to trust and hard to harm: unreadable, damaged and foreign
+checkpoints, links and FIFOs planted in it, a full disk, another user's dir, a second launcher
+on it. Real processes, permissions (capabilities dropped with setpriv, since root would bypass
+them) and a real tmpfs; every failure is one line that says what to do, and nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from ..conftest import assert_bit_identical, mounted_tmpfs, procckpt_argv, run
+from ..harness.processes import (NO_DAC, TINY, alone, events, fill, needs_setpriv, one_error_line,
+                                 reference, start, wait_for_line)
+
+
+@pytest.fixture
+def small_tmpfs(workdir: Path):
+    with mounted_tmpfs(workdir / "tmpfs") as mount:
+        yield mount
+
+
+def test_second_run_on_same_dir_is_refused_and_finished_run_does_not_retrain(workdir: Path):
+    first = start(["--dir", "c", "--", *TINY, "--epochs", "1", "--step-sleep", "0.2"], workdir)
+    wait_for_line(first, "step 1")
+    second = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY], cwd=workdir)
+    assert second.returncode != 0
+    assert f"is in use by pid {first.pid}" in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1
+    first.communicate(timeout=120)
+    assert first.returncode == 0
+    again = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY], cwd=workdir)
+    assert again.returncode == 0
+    assert "already finished" in again.stderr and "start step" not in again.stdout
+    forced = run([*procckpt_argv(), "run", "--dir", "c", "--force", "--", *TINY, "--epochs", "1"],
+                 cwd=workdir)
+    assert forced.returncode == 0 and "start step 0" in forced.stdout
+    assert list((workdir / "c").glob("previous-*/checkpoints/ckpt-*")), "old checkpoints lost"
+
+
+def test_the_script_alone_on_a_dir_the_launcher_holds_is_one_line(workdir: Path):
+    ckpt = workdir / "ckpt"
+    launcher = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY,
+                                 "--epochs", "50", "--step-sleep", "0.2"], cwd=workdir,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list((ckpt / "control").glob("hello-*.json")):
+            assert launcher.poll() is None and time.monotonic() < deadline, "never started"
+            time.sleep(0.1)
+        one_error_line(alone(workdir, ckpt), 2, f"is in use by pid {launcher.pid}")
+    finally:
+        launcher.kill()
+        launcher.wait()
+
+
+@needs_setpriv
+def test_an_unreadable_checkpoint_stops_the_run_and_is_not_renamed(workdir: Path):
+    ckpt = workdir / "ckpt"
+    first = alone(workdir, ckpt, "--epochs", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (ckpt / "COMPLETE").unlink()  # pretend training goes on, so that it must resume
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))[-1]
+    (newest / "state.pt").chmod(0)
+    result = alone(workdir, ckpt, "--epochs", "3", prefix=NO_DAC)
+    line = one_error_line(result, 74, f"cannot read {newest / 'state.pt'}", "Permission denied")
+    assert "nothing was renamed" in line
+    assert sorted((ckpt / "checkpoints").iterdir())[-1] == newest  # no .corrupt, no fallback
+    assert "step " not in result.stdout
+    (newest / "state.pt").chmod(0o644)
+    fixed = alone(workdir, ckpt, "--epochs", "3")
+    assert fixed.returncode == 0, fixed.stderr[-3000:]
+    assert f"resumed from {newest.name}" in fixed.stderr
+
+
+def test_foreign_pickle_placed_as_checkpoint_is_rejected_without_running(workdir: Path):
+    first = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY, "--epochs", "1"],
+                cwd=workdir)
+    assert first.returncode == 0
+    ckpt = workdir / "c"
+    (ckpt / "COMPLETE").unlink()
+    marker = workdir / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    payload = pickle.dumps(Exploit())
+    evil = ckpt / "checkpoints" / "ckpt-00000099"
+    evil.mkdir()
+    (evil / "state.pt").write_bytes(payload)
+    (evil / "MANIFEST.json").write_text(
+        '{"format": 1, "step": 999, "files": {"state.pt": {"bytes": %d, "crc32": %d}}}'
+        % (len(payload), zlib.crc32(payload)))
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY, "--epochs", "2"],
+                 cwd=workdir)
+    assert not marker.exists(), "the pickle ran code"
+    assert result.returncode == 0, result.stderr
+    assert "ckpt-00000099 is unusable: it cannot be loaded safely" in result.stderr
+    assert "start step 8 restart 0" in result.stdout  # resumed from the real one
+
+
+def test_damaged_newest_checkpoint_resumes_from_previous(workdir: Path):
+    first = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY, "--epochs", "3",
+                 "--save-every", "1"], cwd=workdir)
+    assert first.returncode == 0
+    ckpt = workdir / "c"
+    (ckpt / "COMPLETE").unlink()
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))[-1]
+    data = bytearray((newest / "state.pt").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (newest / "state.pt").write_bytes(bytes(data))
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY, "--epochs", "3"],
+                 cwd=workdir)
+    assert result.returncode == 0
+    assert f"checkpoint {newest.name} is unusable: state.pt fails its checksum" in result.stderr
+    assert result.stdout.splitlines()[0] == "start step 16 restart 1"  # a rerun: restart 1
+
+
+def test_a_manifest_of_the_wrong_shape_falls_back_and_status_shows_it(workdir: Path):
+    ckpt = workdir / "ckpt"
+    assert alone(workdir, ckpt, "--epochs", "2").returncode == 0
+    (ckpt / "COMPLETE").unlink()
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))[-1]
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    manifest["files"] = {"state.pt": "x"}
+    (newest / "MANIFEST.json").write_text(json.dumps(manifest))
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert any(line.startswith(newest.name) and "malformed" in line
+               for line in status.stdout.splitlines()), status.stdout
+    result = alone(workdir, ckpt, "--epochs", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"checkpoint {newest.name} is unusable: its manifest is malformed" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["../../../../etc/passwd", "/dev/zero"])
+def test_manifest_names_outside_the_checkpoint_are_damage(workdir: Path, name: str):
+    ckpt = workdir / "ckpt"
+    assert alone(workdir, ckpt, "--epochs", "2").returncode == 0
+    (ckpt / "COMPLETE").unlink()
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))[-1]
+    manifest = json.loads((newest / "MANIFEST.json").read_text())
+    manifest["files"][name] = {"bytes": 1 << 30, "crc32": 1}
+    (newest / "MANIFEST.json").write_text(json.dumps(manifest))
+    started = time.monotonic()
+    result = alone(workdir, ckpt, "--epochs", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - started < 60  # /dev/zero is not read
+    assert f"checkpoint {newest.name} is unusable" in result.stderr
+    assert "not a plain name" in result.stderr
+    assert (newest.parent / f"{newest.name}.corrupt").is_dir()
+
+
+def test_links_planted_in_the_dir_are_refused_not_followed(workdir: Path):
+    ckpt = workdir / "ckpt"
+    assert alone(workdir, ckpt, "--epochs", "1").returncode == 0
+    (ckpt / "COMPLETE").unlink()
+    precious = workdir / "precious.txt"
+    precious.write_text("keep me\n")
+    (ckpt / "lock").unlink()
+    (ckpt / "lock").symlink_to(precious)
+    result = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY], cwd=workdir)
+    one_error_line(result, 2, "is a symbolic link", "remove it")
+    alone_result = alone(workdir, ckpt)
+    one_error_line(alone_result, 2, "is a symbolic link")
+    assert precious.read_text() == "keep me\n"
+
+    (ckpt / "lock").unlink()
+    (ckpt / "events.jsonl").unlink()
+    (ckpt / "events.jsonl").symlink_to(precious)
+    ok = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, "--epochs", "2"],
+             cwd=workdir)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    assert precious.read_text() == "keep me\n"  # the journal was not appended through it
+
+
+def test_fifos_planted_in_control_do_not_freeze_the_launcher(workdir: Path):
+    import os
+
+    args = ["--epochs", "10", "--n", "256"]  # 80 steps of 0.2 s: past the first deadline
+    expected = reference(workdir, *args)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+                             "--grace", "5s", "--interval", "off", "--", *TINY, *args,
+                             "--step-sleep", "0.2", "--out", str(out)], cwd=workdir,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_line(proc, "step 3")
+    control = ckpt / "control"
+    for name in ("heartbeat.json", "ack.json"):  # what the launcher reads as it supervises
+        path = control / name
+        if path.exists():
+            path.unlink()
+        os.mkfifo(path)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    stops = [e for e in events(ckpt, "trigger") if e["reason"] == "deadline"]
+    assert stops and events(ckpt, "confirmed") and not events(ckpt, "unconfirmed"), err[-3000:]
+    assert_bit_identical(expected, out)
+
+
+def test_a_control_dir_that_is_a_link_gets_nothing_written_through_it(workdir: Path):
+    ckpt, elsewhere = workdir / "ckpt", workdir / "elsewhere"
+    elsewhere.mkdir()
+    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", "true"], cwd=workdir)
+    assert first.returncode == 0, first.stderr
+    (ckpt / "control").rmdir()
+    (ckpt / "control").symlink_to(elsewhere)
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, "--epochs", "1"],
+              cwd=workdir)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "is not a directory (a link?)" in res.stderr and "Traceback" not in res.stderr
+    assert list(elsewhere.iterdir()) == []
+
+
+def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(small_tmpfs):
+    ckpt = small_tmpfs / "ckpt"
+    proc = subprocess.Popen(
+        [*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "14s", "--grace", "4s",
+         "--interval", "2s", "--", *TINY, "--epochs", "50", "--step-sleep", "0.2"],
+        cwd=small_tmpfs.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "checkpoint" for e in events(ckpt)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.1)
+        kept = sorted((ckpt / "checkpoints").glob("ckpt-*"))
+        fill(small_tmpfs)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 74, stderr[-3000:]
+    assert "Traceback" not in stderr and "unexpected pos" not in stderr, stderr[-3000:]
+    assert f"error: no space left in {ckpt}: need " in stderr, stderr[-3000:]
+    assert "could not write the checkpoint request" in stderr  # the launcher carried on
+    assert "is not restarted" in stderr, stderr[-3000:]
+    assert "verified intact" in stderr, stderr[-3000:]  # the launcher checked the newest one
+    assert len([e for e in events(ckpt) if e["event"] == "cycle"]) == 1
+    (small_tmpfs / "filler").unlink()
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=small_tmpfs.parent)
+    for path in kept:  # every checkpoint from before the disk filled up is intact
+        assert any(line.startswith(path.name) and line.endswith("yes")
+                   for line in status.stdout.splitlines()), status.stdout
+
+
+@needs_setpriv
+def test_a_dir_of_another_user_is_one_line(workdir: Path):
+    theirs = workdir / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    ckpt = theirs / "ckpt"
+    launched = run([*NO_DAC, *procckpt_argv(), "run", "--dir", str(ckpt), "--", "true"],
+                   cwd=workdir)
+    one_error_line(launched, 2, f"{ckpt}", "Permission denied")
+    one_error_line(alone(workdir, ckpt, prefix=NO_DAC), 2, f"{ckpt}", "Permission denied")

@@ -1,0 +1,55 @@
+"""What ``procckpt run`` exits with and when it restarts: the command's own exit code, a crash
+restarted only when asked, the restart count the command sees, a finished run that is not
+trained again unless forced."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..conftest import procckpt_argv, run
+from ..harness.processes import TINY
+
+
+def test_exit_code_is_the_commands(workdir: Path):
+    result = run([*procckpt_argv(), "run", "--", "sh", "-c", "exit 7"], cwd=workdir)
+    assert result.returncode == 7
+    assert "failed with exit code 7" in result.stderr
+    killed = run([*procckpt_argv(), "run", "--dir", "k", "--", "sh", "-c", "kill -9 $$"],
+                 cwd=workdir)
+    assert killed.returncode == 128 + 9
+
+
+def test_crash_is_not_restarted_unless_asked(workdir: Path):
+    crash = run([*procckpt_argv(), "run", "--dir", "a", "--", *TINY, "--epochs", "1",
+                 "--save-every", "1", "--fail-at-step", "4"], cwd=workdir)
+    assert crash.returncode == 3
+    assert "--restart-on-failure" in crash.stderr
+    retried = run([*procckpt_argv(), "run", "--dir", "b", "--restart-on-failure", "--",
+                   *TINY, "--epochs", "2", "--save-every", "1", "--fail-at-step", "12"],
+                  cwd=workdir)
+    assert retried.returncode == 0, retried.stderr
+    assert "restart 1" in retried.stdout and "done" in retried.stdout
+
+
+def test_restart_count_reaches_the_command(workdir: Path):
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "10s", "--grace", "3s",
+                  "--", *TINY, "--epochs", "2", "--n", "256", "--step-sleep", "0.5"],
+                 cwd=workdir, timeout=300)
+    assert result.returncode == 0, result.stderr
+    starts = [line for line in result.stdout.splitlines() if line.startswith("start step")]
+    assert len(starts) >= 2
+    assert [s.split()[-1] for s in starts] == [str(i) for i in range(len(starts))]
+
+
+def test_a_rerun_of_a_script_that_finished_early_trains_nothing_unless_forced(workdir: Path):
+    argv = [*TINY, "--epochs", "3", "--finish-at-step", "5", "--ckpt-dir", str(workdir / "c")]
+    first = run(argv, cwd=workdir)
+    assert first.returncode == 0 and "step 5" in first.stdout, first.stderr[-3000:]
+    again = run(argv, cwd=workdir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert not [line for line in again.stdout.splitlines() if line.startswith("step ")], \
+        again.stdout
+    assert "already finished (step 5); nothing to train" in again.stderr, again.stderr
+    forced = run(argv, cwd=workdir, env={"PROCCKPT_FORCE": "1"})
+    assert forced.returncode == 0 and "step 1\n" in forced.stdout, forced.stderr[-3000:]
+    assert "PROCCKPT_FORCE: the finished run's checkpoints moved to" in forced.stderr

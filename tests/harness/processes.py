@@ -1,0 +1,95 @@
+"""Helpers of the end-to-end tests that drive ``procckpt run`` and the training programs as
+real processes: start one and read its output as it comes, read a run's journal, run the
+tiny program alone for the uninterrupted reference, and check a one-line error."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from procckpt.protocol.events import read_events
+
+from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+
+TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
+LOADER = [PYTHON, str(PROGRAMS / "loader_train.py")]
+ASYNC = [PYTHON, str(PROGRAMS / "async_train.py")]
+
+#: Root with the capabilities that bypass file permissions dropped (util-linux's setpriv).
+NO_DAC = ["setpriv", "--inh-caps=-all", "--bounding-set=-dac_override,-dac_read_search,-fowner"]
+needs_setpriv = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("setpriv") is None,
+    reason="dropping root's file-permission capabilities needs root and util-linux's setpriv")
+
+
+def events(directory: Path, kind: str | None = None) -> list[dict]:
+    """The journal of checkpoint dir ``directory``, or its events of one kind."""
+    return [e for e in read_events(directory / "events.jsonl")
+            if kind is None or e.get("event") == kind]
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
+    """``procckpt run ARGS`` in the background, its output in pipes, unbuffered."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([*procckpt_argv(), "run", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 60) -> str:
+    """Read ``proc``'s standard output up to the first line holding ``text``."""
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if text in line:
+            return line
+        assert time.monotonic() < deadline, f"no {text!r} within {timeout}s"
+    tail = proc.stderr.read()[-2000:] if proc.stderr is not None else ""
+    raise AssertionError(f"the output ended before {text!r}: {tail}")
+
+
+def reference(workdir: Path, *args: str) -> Path:
+    """The uninterrupted run's weights: the tiny program alone, no launcher."""
+    out = workdir / "reference.pt"
+    res = run([*TINY, *args, "--ckpt-dir", str(workdir / "ref-ckpt"), "--out", str(out)],
+              cwd=workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def alone(workdir: Path, ckpt: Path, *args: str, prefix: list[str] | None = None,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The tiny training script run on its own (no launcher) on checkpoint dir ``ckpt``."""
+    return run([*(prefix or []), *TINY, "--ckpt-dir", str(ckpt), *args], cwd=workdir,
+               env=env)
+
+
+def procckpt_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("procckpt")]
+
+
+def one_error_line(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The one ``error:`` line of a command that exited with ``code``, holding ``needles``."""
+    assert result.returncode == code, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    return errors[0]
+
+
+def fill(directory: Path) -> None:
+    """Write zeros into ``directory`` until its file system is full."""
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
