@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install Debian's Slurm (22.05 on bookworm) and MUNGE for the throwaway test cluster.
 #
-# Installs packages only: tests/slurm_cluster.py starts its own munged, slurmctld and slurmd
+# Installs packages only: tests/harness/slurm_cluster.py starts its own munged, slurmctld and slurmd
 # on loopback with every path under a temp dir, so the packaged services must stay stopped.
 # Idempotent: re-running on a machine that already has the packages does nothing harmful.
 # Must run as root; non-interactive.
