@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit venv clean
+.PHONY: demo test unit bench venv clean
 
 venv: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ test: venv
 # The unit tests alone (tests/README.md): under a minute, for the edit-test loop.
 unit: venv
 	$(PY) -m pytest -m unit -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# Every benchmark at this commit, one after the other, into BENCHMARKS.md (~40 minutes; run it
+# on a quiet machine: benchmarks/README.md).
+bench: venv
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/report.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""What a checkpoint of GPU-resident state costs one training process (issue 12's GPU targets), beside DCP.
+"""What a checkpoint of GPU-resident state costs one training process, beside DCP.
 
 A model of Linear layers on the GPU, trained with Adam, whose state (parameters and both
 moments) is about --size bytes. Measured in one run, interleaved, medians:

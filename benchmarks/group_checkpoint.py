@@ -1,4 +1,4 @@
-"""What a checkpoint costs a process group's training (issue 12's CPU target), beside DCP.
+"""What a checkpoint costs a process group's training, beside DCP.
 
 Spawns 2 gloo ranks on this machine, each holding a DDP model of --size bytes of replicated
 float32 parameters. Each rank measures, in one run, interleaved:

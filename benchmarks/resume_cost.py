@@ -1,4 +1,4 @@
-"""What a mid-epoch resume costs, early and late in the epoch (issue 11's target).
+"""What a mid-epoch resume costs, early and late in the epoch.
 
 One epoch of a map-style data set whose samples cost ``--sample-cost`` seconds each to read
 (decoding, augmenting), batches of 10. For each loader (no workers; 2 workers; torchdata's

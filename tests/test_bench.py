@@ -51,3 +51,29 @@ def test_the_sampler_benchmark_prints_its_figures() -> None:
     for row in ("step time without sampler", "step time with sampler", "ratio per pair",
                 "sampler thread CPU, share of a core"):
         assert row in done.stdout, row
+
+
+def test_make_bench_writes_one_report_with_each_command_and_its_output(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "report.py"
+    out = tmp_path / "BENCHMARKS.md"
+    work = tmp_path / "work"
+    work.mkdir()
+    done = subprocess.run([sys.executable, str(script), "--quick", "--only",
+                           "liveness_cost,report_scale,gpu_checkpoint", "--out", str(out),
+                           "--dir", str(work)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = out.read_text()
+    assert "at commit " in report and "(--quick" in report
+    for command in ("python benchmarks/liveness_cost.py --seconds 0.5 --pairs 1",
+                    "python benchmarks/report_scale.py --cycles 20 --repeats 1"):
+        assert f"    {command}\n" in report, command
+    assert "step time with sampler" in report  # what the script printed, under its command
+    if not torch_cuda():
+        assert report.count("Not run: no CUDA device on this machine.") == 2
+    assert list(work.iterdir()) == [], "each benchmark's directory is removed"
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
