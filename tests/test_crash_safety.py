@@ -44,7 +44,7 @@ def test_sigkill_at_random_moments_during_saves(tmp_path: Path):
             store = CheckpointStore(directory)
             if any(p.name.startswith(".tmp-") for p in store.ckpt_root.iterdir()):
                 hit_mid_save += 1
-            info = store.latest_valid()  # what the next start resumes from
+            info = store.newest_for_resume()  # what the next start resumes from
             if info is None:
                 continue
             state = torch.load(info.file("state.pt"), weights_only=True)

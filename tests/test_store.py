@@ -29,7 +29,7 @@ def commit(store: CheckpointStore, payload: bytes, **meta) -> str:
 def test_commit_writes_manifest_and_leaves_no_temporaries(tmp_path: Path):
     store = CheckpointStore(tmp_path / "d").open()
     name = commit(store, b"x" * 1000, step=5)
-    info = store.latest_valid()
+    info = store.newest_for_resume()
     assert info is not None and info.name == name and info.step == 5 and info.nbytes == 1000
     manifest = json.loads((info.path / "MANIFEST.json").read_text())
     assert manifest["files"]["state.pt"]["bytes"] == 1000
@@ -43,7 +43,7 @@ def test_abandoned_checkpoint_is_not_visible_and_is_cleaned(tmp_path: Path):
     with pending.open("state.pt") as f:
         f.write(b"b" * 10)
     # no commit: as if the process died here
-    assert store.latest_valid().step == 1
+    assert store.newest_for_resume().step == 1
     assert store.clean_temporaries()
     assert not any(p.name.startswith(".tmp") for p in store.ckpt_root.iterdir())
 
@@ -67,7 +67,7 @@ def test_damaged_newest_falls_back_to_previous_loudly(tmp_path: Path, damage: st
     else:
         target.unlink()
     with caplog.at_level("WARNING"):
-        info = store.latest_valid()
+        info = store.newest_for_resume()
     assert info is not None and info.step == 1
     assert f"checkpoint {newest} is unusable" in caplog.text
     assert (store.ckpt_root / f"{newest}.corrupt").is_dir()  # kept for inspection
@@ -80,7 +80,7 @@ def test_all_damaged_refuses_to_start_from_scratch(tmp_path: Path):
     name = commit(store, b"abc", step=1)
     (store.ckpt_root / name / "state.pt").write_bytes(b"")
     with pytest.raises(CheckpointCorruptError, match="refusing to start from scratch"):
-        store.latest_valid()
+        store.newest_for_resume()
 
 
 def test_prune_keeps_last_n_and_the_best(tmp_path: Path):

@@ -310,7 +310,7 @@ class CheckpointStore:
                 return f"{name} fails its checksum (the file is corrupt)"
         return None
 
-    def valid_checkpoints(self, *, skip_crc: frozenset[str] = frozenset(),
+    def intact_setting_aside_damaged(self, *, skip_crc: frozenset[str] = frozenset(),
                           ) -> Iterator[CheckpointInfo]:
         """Yield intact checkpoints, newest first; each damaged one is logged loudly and
         moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again).
@@ -325,8 +325,11 @@ class CheckpointStore:
             self.quarantine(p, problem)
 
     def newest_intact(self) -> CheckpointInfo | None:
-        """The newest intact checkpoint, or None; unlike :meth:`latest_valid`, damaged ones
-        are passed over but not moved aside (for a reader that does not own the dir)."""
+        """The newest intact checkpoint, or None, changing nothing: damaged ones are passed
+        over, not moved aside (for a reader that does not own the dir). The three readers are
+        named by their effects: this one has none; :meth:`intact_setting_aside_damaged` moves
+        damaged ones aside; :meth:`newest_for_resume` does too, and raises when every one is
+        damaged."""
         for p in self._ckpt_dirs():
             manifest = self._read_manifest(p) if self.verify(p) is None else None
             if manifest is not None:
@@ -341,14 +344,14 @@ class CheckpointStore:
             os.rename(path, path.with_name(path.name + ".corrupt"))
         self._record("corrupt", checkpoint=path.name, problem=problem)
 
-    def latest_valid(self) -> CheckpointInfo | None:
+    def newest_for_resume(self) -> CheckpointInfo | None:
         """The newest intact checkpoint, None if there never was one.
 
         Raises:
             CheckpointCorruptError: checkpoints exist but every one of them is damaged; starting
                 from scratch silently would throw the run away.
         """
-        for info in self.valid_checkpoints():
+        for info in self.intact_setting_aside_damaged():
             return info
         if self._ckpt_dirs(include_bad=True):
             raise CheckpointCorruptError(

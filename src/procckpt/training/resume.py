@@ -41,7 +41,7 @@ def load_newest_verified(store: CheckpointStore, apply: Apply,
     started = time.monotonic()
     # The payload's checksum is verified on the mapping below, before any of it is used; the
     # other files (if any) and all sizes are checked here.
-    for info in store.valid_checkpoints(skip_crc=frozenset({PAYLOAD})):
+    for info in store.intact_setting_aside_damaged(skip_crc=frozenset({PAYLOAD})):
         try:
             payload = read_with_retries(info.file(PAYLOAD),
                                         lambda: read_payload(info, mmap=True))  # noqa: B023

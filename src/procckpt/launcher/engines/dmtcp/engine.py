@@ -256,7 +256,7 @@ class DmtcpEngine(Engine):
 
         Checksums are verified first: a truncated image would make mtcp_restart spin forever.
         """
-        for info in self.store.valid_checkpoints():
+        for info in self.store.intact_setting_aside_damaged():
             if info.manifest.get("engine") != self.name:
                 raise UsageError(
                     f"the newest checkpoint in {self.store.root} ({info.name}) was written by "
