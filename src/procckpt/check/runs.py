@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProcckptError, UsageError
-from ..launcher.hang import descendants
+from ..launcher.hang import descendants, stat_fields
 from ..protocol.control import ENV_CHECK
 
 __all__ = ["Run", "Runner", "CheckInterrupted", "Signalled", "signals_raise", "signals_held",
@@ -180,11 +180,8 @@ class Runner:
 
 def _alive(pid: int) -> bool:
     """Whether ``pid`` is still a running (not a zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def _trace_size(run: Run) -> int:

@@ -131,18 +131,24 @@ def dump_stacks(root: int, timeout: float = 10.0) -> None:
             logger.error("py-spy dump of pid %d:\n%s", pid, done.stdout.rstrip())
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command name (state first, then the parent),
+    or None when the process is gone. The name may hold spaces and parentheses: split after the
+    last ')'."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def descendants(root: int) -> list[int]:
     """The processes below ``root``, from /proc (parents before their children)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
+        fields = stat_fields(entry) if entry.isdigit() else None
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found: list[int] = []
     todo = [root]
     while todo:
