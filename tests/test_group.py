@@ -231,3 +231,19 @@ def test_a_follower_that_never_started_is_said_and_a_sigterm_is_blamed_for_the_s
     assert result.exit_code == 75, result.message
     assert result.message.startswith("no checkpoint was taken after SIGTERM"), result.message
     assert "node-lost" not in [e["event"] for e in read_events(world.store.events_path)]
+
+
+def test_a_follower_unheard_since_the_first_look_is_named_and_control_is_not_read_once_all_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    now = [0.0]
+    board = group.LeaderBoard(tmp_path, 3, clock=lambda: now[0])
+    group.beat(tmp_path, 1, 1)  # a beat left by an earlier launch
+    assert board.unheard(after=10) == []  # the first look; too early to say
+    now[0] = 11
+    group.beat(tmp_path, 2, 1)
+    assert board.unheard(after=10) == [1]  # node 1's beat is the old one
+    group.beat(tmp_path, 1, 2)
+    assert board.unheard(after=10) == []
+    reads = []
+    monkeypatch.setattr(group, "read_beats", lambda d: reads.append(d) or {})
+    assert board.unheard(after=10) == [] and reads == []

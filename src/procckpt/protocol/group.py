@@ -86,6 +86,7 @@ class LeaderBoard:
         #: Each follower's last beat seen, when (this clock) it was new, and whether it was seen
         #: to change (a beat seen once may be an old one).
         self._heard: dict[int, tuple[Any, float, bool]] = {}
+        self._all_heard = False
         #: Each follower's beat at this launcher's first look, and when that was.
         self._first: tuple[dict[int, Any], float] | None = None
 
@@ -111,15 +112,20 @@ class LeaderBoard:
     def unheard(self, after: float = NODE_SILENT) -> list[int]:
         """The followers whose launcher has not beaten since the first look, once ``after``
         seconds have passed since it (a beat left by an earlier launch does not count);
-        without waiting."""
+        without waiting. Once every follower has been heard, the answer stays empty and
+        control/ is not listed again."""
+        if self._all_heard:
+            return []
         beats, now = read_beats(self.dir), self._clock()
         if self._first is None:
             self._first = (beats, now)
         first, since = self._first
         if now - since < after:
             return []
-        return [node for node in range(1, self.nodes)
-                if node not in beats or beats[node] == first.get(node)]
+        silent = [node for node in range(1, self.nodes)
+                  if node not in beats or beats[node] == first.get(node)]
+        self._all_heard = not silent
+        return silent
 
     def silent_nodes(self, silence: float = NODE_SILENT) -> list[SilentNode]:
         """The followers whose launcher has not beaten for ``silence`` seconds: asked after
