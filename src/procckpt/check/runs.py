@@ -50,6 +50,8 @@ class Run:
     dir: Path
     codes: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    _parsed: tuple[int, dict[int, list[dict[str, Any]]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
 
     @property
     def log(self) -> Path:
@@ -58,32 +60,30 @@ class Run:
     def where(self) -> dict[int, tuple[int, int]]:
         """step -> (epoch, batch) after it, from rank 0's trace: the steps after which a
         checkpoint can be taken."""
-        found = {}
-        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
-            entry = json.loads(line)
-            if entry.get("saves", True):
-                found[int(entry["step"])] = (int(entry["epoch"]), int(entry["batch"]))
-        return found
+        return {int(e["step"]): (int(e["epoch"]), int(e["batch"]))
+                for e in self._entries().get(0, []) if e.get("saves", True)}
 
     def unsaved(self) -> str:
         """What the script holds that no checkpoint does, as rank 0's trace describes it."""
-        for line in (self.dir.parent / f"{self.name}.trace.0").read_text().splitlines():
-            described = json.loads(line).get("unsaved")
-            if described:
-                return str(described)
-        return ""
+        return next((str(e["unsaved"]) for e in self._entries().get(0, []) if e.get("unsaved")),
+                    "")
 
     def traces(self) -> dict[int, dict[int, dict[str, int]]]:
         """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
         by the stopped and the resumed process, keeps the later line)."""
-        found: dict[int, dict[int, dict[str, int]]] = {}
-        for path in self.dir.parent.glob(f"{self.name}.trace.*"):
-            rank = int(path.name.rsplit(".", 1)[1])
-            steps = found.setdefault(rank, {})
-            for line in path.read_text().splitlines():
-                entry = json.loads(line)
-                steps[int(entry["step"])] = entry["parts"]
-        return found
+        return {rank: {int(e["step"]): e["parts"] for e in entries}
+                for rank, entries in self._entries().items()}
+
+    def _entries(self) -> dict[int, list[dict[str, Any]]]:
+        """Each rank's trace lines, parsed once for each size of the trace files (they grow
+        while the run runs; the comparison reads them many times after)."""
+        paths = sorted(self.dir.parent.glob(f"{self.name}.trace.*"))
+        size = sum(p.stat().st_size for p in paths)
+        if self._parsed is None or self._parsed[0] != size:
+            self._parsed = (size, {int(p.name.rsplit(".", 1)[1]):
+                                   [json.loads(line) for line in p.read_text().splitlines()]
+                                   for p in paths})
+        return self._parsed[1]
 
 
 class Runner:
