@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit bench venv clean
+.PHONY: demo test unit bench gpu-check venv clean
 
 venv: $(VENV)/.installed
 
@@ -28,6 +28,13 @@ unit: venv
 # on a quiet machine: benchmarks/README.md).
 bench: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/report.py $(BENCH_ARGS)
+
+# The first thing to run on a machine with a GPU (tools/gpu_check.py): the CUDA tests and the GPU
+# checkpoint benchmark at 1 and 8 GiB, one table. It uses the machine's own python (its torch
+# with CUDA) and the source tree, never the CPU venv; without a GPU it is a dry run.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH="$(abspath src)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) tools/gpu_check.py $(GPU_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

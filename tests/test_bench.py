@@ -3,10 +3,21 @@ The real numbers come from a full run (see BENCHMARKS.md), never from the test s
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def test_quick_benchmark_prints_every_section(tmp_path: Path) -> None:
@@ -32,15 +43,40 @@ def test_the_gpu_benchmark_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_checkpoint.py"
     env = dict(os.environ)
     env.pop("PROCCKPT_TOKEN", None)
+    work, figures = tmp_path / "work", tmp_path / "figures.json"
+    work.mkdir()
     done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--batch", "16",
-                           "--size", "4MiB", "--hidden", "256",
-                           "--repeats", "1", "--dir", str(tmp_path)],
+                           "--size", "4MiB", "--hidden", "256", "--repeats", "1",
+                           "--dir", str(work), "--json", str(figures)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     for row in ("normal step", "ckpt step, overlap", "ckpt step, no overlap", "D2H",
-                "stop durable / raw write"):
+                "stop durable / raw write", "first ckpt step / steady", "restore onto the device"):
         assert row in done.stdout, row
-    assert list(tmp_path.iterdir()) == [], "the run cleans up after itself"
+    assert list(work.iterdir()) == [], "the run cleans up after itself"
+    # make gpu-check's table is made of what it writes.
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from gpu_check import RATIOS, table
+    finally:
+        sys.path.pop(0)
+    rows = table({"4MiB": json.loads(figures.read_text())}).splitlines()
+    for name, _ in RATIOS:
+        (row,) = [r for r in rows if r.startswith(f"| {name} |")]
+        float(row.split("|")[2])  # a figure in each row (on the CPU it means nothing)
+    assert [r for r in rows if r.startswith("| restore onto the device, s |")]
+
+
+@pytest.mark.skipif(torch_cuda(), reason="with a GPU, make gpu-check is the real run (8 "
+                    "minutes), not a dry one")
+def test_gpu_check_without_a_gpu_is_a_dry_run_that_says_what_it_would_run() -> None:
+    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_PY={sys.executable}"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dry run (no CUDA device)" in done.stdout
+    assert "-m pytest -m cuda" in done.stdout
+    for size in ("1GiB", "8GiB"):
+        assert f"benchmarks/gpu_checkpoint.py --size {size}" in done.stdout
 
 
 def test_the_sampler_benchmark_prints_its_figures() -> None:
@@ -71,9 +107,3 @@ def test_make_bench_writes_one_report_with_each_command_and_its_output(tmp_path:
     if not torch_cuda():
         assert report.count("Not run: no CUDA device on this machine.") == 2
     assert list(work.iterdir()) == [], "each benchmark's directory is removed"
-
-
-def torch_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -292,6 +292,7 @@ def test_a_sparse_tensor_is_not_snapshottable() -> None:
         HostArena().capture({"s": torch.eye(3).to_sparse()})
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
 def test_cuda_state_is_copied_into_page_locked_memory() -> None:
     state = {"w": torch.randn(1 << 20, device="cuda"), "cpu": torch.randn(10)}
@@ -314,6 +315,7 @@ def test_a_waited_checkpoint_of_host_state_is_written_from_the_tensors_themselve
     assert saver.arena.allocations == 0
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
 def test_a_stop_checkpoint_of_cuda_state_goes_through_the_page_locked_arena(
         tmp_path: Path) -> None:
@@ -360,6 +362,7 @@ def _bn_model_trained_one_step() -> tuple[torch.nn.Module, torch.optim.Optimizer
     return model, optimizer, x
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
 def test_a_snapshot_copied_beside_the_next_step_is_the_state_at_the_safe_point() -> None:
     model, optimizer, x = _bn_model_trained_one_step()

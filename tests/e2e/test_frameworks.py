@@ -175,6 +175,7 @@ def test_lightning_resume_from_is_none_on_a_fresh_start_and_the_finished_run_tra
     assert again.returncode != 0 or "step 1\n" not in again.stdout, again.stdout[-2000:]
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_on_a_gpu_time_limit_cycles_resume_bit_identical(workdir: Path, framework: str):
     """The GPU path: state on the device, CUDA random streams (dropout), the pinned copies."""

@@ -165,6 +165,7 @@ def test_fsdp_sharded_state_through_dcp_resumes_exactly(workdir: Path):
     assert_same_run(reference, resumed)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
 def test_fsdp_on_the_gpu_through_dcp_resumes_exactly(workdir: Path):
     # One process (a group of one, NCCL): the GPU path of the sharded state, which the
