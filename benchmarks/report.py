@@ -106,12 +106,11 @@ def run_one(bench: Benchmark, quick: bool, work: Path) -> tuple[str, float, int]
     return text, seconds, result.returncode
 
 
-def render(sections: list[str], quick: bool) -> str:
-    now = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+def render(sections: list[str], quick: bool, at: str, started: str) -> str:
     head = [
         "# Benchmarks",
         "",
-        f"One run of every benchmark, one after the other, at commit {commit()} on {now}"
+        f"One run of every benchmark, one after the other, at commit {at}, started {started}"
         + (" (--quick: tiny sizes, the figures mean nothing)" if quick else "") + ".",
         "Written by `make bench` (`python benchmarks/report.py`); what each figure measures, the",
         "targets and what is not measured here: [benchmarks/README.md](benchmarks/README.md).",
@@ -135,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in BENCHMARKS if args.only is None or b.name in args.only]
     if not chosen:
         parser.error(f"--only names none of {', '.join(sorted({b.name for b in BENCHMARKS}))}")
+    at = commit()  # before the run: the tree may change while it runs
+    started = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     sections, failed = [], []
     for bench in chosen:
         command = " ".join(["python", f"benchmarks/{bench.name}.py",
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         print(f"[report] {command}", flush=True)
         with tempfile.TemporaryDirectory(prefix="procckpt-bench-", dir=args.dir) as work:
-            text, seconds, status = run_one(bench, args.quick, Path(work))
+            text, seconds, status = run_one(bench, args.quick, Path(work).resolve())
         sections.append(text)
         sections.append("")
         sections.append(f"({seconds:.0f} s" + ("" if status == 0 else f"; exit status {status}")
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[report] {bench.name}: {seconds:.0f} s, exit status {status}", flush=True)
         if status != 0:
             failed.append(bench.name)
-    Path(args.out).write_text(render(sections, args.quick))
+    Path(args.out).write_text(render(sections, args.quick, at, started))
     print(f"[report] wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
