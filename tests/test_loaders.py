@@ -107,7 +107,7 @@ def test_loader_settings_no_resume_can_repeat_are_refused():
 
 # -- a loader that changed since the checkpoint ----------------------------------------------
 def test_a_changed_batch_size_passes_over_the_same_samples_or_is_refused():
-    from procckpt.training.position.loaders import loader_shape, map_position
+    from procckpt.training.position.shape import loader_shape, map_position
 
     saved = loader_shape(DataLoader(Noisy(320), batch_size=32))
     assert saved == {"batch_size": 32, "batches": 10, "samples": 320}
@@ -200,3 +200,48 @@ def test_the_probe_is_not_fooled_by_a_coin_flip_and_takes_nan_for_the_same_sampl
 
     assert list(own_state(TransformWithItsOwnRandom())) == ["self.transform.rng"]
     assert _not_repeatable(TransformWithItsOwnRandom()) != ""
+
+
+def test_a_replay_says_how_long_it_will_take_then_how_far_it_got(caplog):
+    import logging
+
+    from procckpt.training.position import loaders
+
+    now = [0.0]
+
+    def clock() -> float:  # a quarter of a second a batch
+        now[0] += 0.25
+        return now[0]
+
+    caplog.set_level(logging.INFO, logger="procckpt")
+    how = loaders._replay(iter(range(1000)), 400, "an IterableDataset or a plain iterable",
+                          clock=clock)
+    assert how.startswith("replayed the 400 batches trained before the restart")
+    (estimate,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert estimate.startswith("replaying the 400 batches trained before the restart (an "
+                               "IterableDataset or a plain iterable): about 1m39s at 4 "
+                               "batches/s; to resume without reading them again"), estimate
+    assert "StatefulDataLoader" in estimate
+    progress = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert progress == ["replayed 124 of 400 batches, about 1m09s left",
+                        "replayed 244 of 400 batches, about 39.0s left",
+                        "replayed 364 of 400 batches, about 9.0s left"], progress
+    caplog.clear()
+    assert loaders._replay(iter(range(10)), 5, "quick", clock=lambda: 0.0).startswith("replayed")
+    assert not caplog.records  # done within a second: nothing to say
+    with pytest.raises(UsageError, match="ran out after 3 batches, but the checkpoint was "
+                                         "taken after batch 5"):
+        loaders._replay(iter(range(3)), 5, "short", clock=lambda: 0.0)
+
+
+def test_a_stream_with_a_state_read_by_worker_processes_is_replayed_with_what_to_use():
+    from procckpt.training.position.loaders import open_at, stateful_source
+
+    from .test_progress import Stream
+
+    loader = torch.utils.data.DataLoader(Stream(6), batch_size=2, num_workers=1)
+    assert stateful_source(loader) is None
+    assert stateful_source(torch.utils.data.DataLoader(Stream(6), batch_size=2)) is not None
+    iterator, how = open_at(loader, 1)
+    assert how.startswith("replayed the 1 batches") and "StatefulDataLoader gathers" in how
+    assert len(list(iterator)) == 2

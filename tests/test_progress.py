@@ -95,3 +95,62 @@ def test_a_resume_at_the_end_of_the_last_epoch_continues_the_saved_streams(tmp_p
     # Nothing is left to train: the loop ends at once, and what follows it draws as after an
     # uninterrupted run, not from the fresh seed.
     assert torch.equal(run_epochs(tmp_path / "stopped", 3), expected)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """A sharded stream that counts its own position (webdataset-style): a pass's order comes
+    from the pass number, each sample gets a random transform, and a state taken after a pass
+    ended starts the next one. It counts what it reads."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos, self.passes, self.reads = n, 0, 0, 0
+
+    def __iter__(self):
+        if self.pos >= self.n:
+            self.pos, self.passes = 0, self.passes + 1
+        order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.passes))
+        while self.pos < self.n:
+            index = int(order[self.pos])
+            self.pos += 1
+            self.reads += 1
+            yield torch.tensor([float(index)]) + torch.rand(1)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "passes": self.passes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.passes = state["pos"], state["passes"]
+
+
+def run_stream(d: Path, stop_after: int | None = None, workers: int = 0) -> tuple[list, int]:
+    """Batches of two epochs of a 12-sample stream in batches of 3; with ``stop_after``, a
+    checkpoint after that many batches, and the loop left at the next one."""
+    torch.manual_seed(0)
+    stream = Stream(12)
+    loader = torch.utils.data.DataLoader(stream, batch_size=3, num_workers=workers)
+    ckpt = Checkpointer(d, model=torch.nn.Linear(2, 2), async_save=False)
+    seen: list = []
+    for _ in ckpt.epochs(2):
+        for batch in ckpt.batches(loader):
+            if stop_after is not None and len(seen) == stop_after:
+                ckpt.close()
+                return seen, stream.reads
+            seen.append(batch)
+            if len(seen) == stop_after:
+                ckpt.request_checkpoint()
+    return seen, stream.reads
+
+
+@pytest.mark.parametrize("stop_after", [6, 4], ids=["mid-epoch", "epoch-boundary"])
+def test_a_stream_with_its_own_state_resumes_by_it_reading_nothing_again(tmp_path: Path,
+                                                                          stop_after: int):
+    whole, _ = run_stream(tmp_path / "a")
+    first, _ = run_stream(tmp_path / "b", stop_after)
+    rest, reads = run_stream(tmp_path / "b")
+    assert len(whole) == 8 and len(first) == stop_after
+    assert all(torch.equal(x, y) for x, y in zip(first + rest, whole, strict=True))
+    assert reads == 3 * len(rest)  # the resumed process read only what it trained on
+    if stop_after % 4:
+        (skip,) = [e for e in read_events(tmp_path / "b" / "events.jsonl")
+                   if e["event"] == "resume-skip"]
+        assert skip["how"] == "restored the data set's own state (nothing read again)"

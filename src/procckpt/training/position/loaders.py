@@ -28,17 +28,19 @@ import logging
 import operator
 import random
 import sys
-from collections.abc import Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from ...durations import format_duration
 from ...errors import UsageError
 from .probe import not_repeatable
 
 __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples",
-           "loader_shape", "map_position", "wraps_a_loader", "usable_state",
+           "wraps_a_loader", "usable_state", "stateful_source",
            "align_epoch", "streams_kept", "swapped"]
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,12 @@ def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
         return _open_wrapper(loader, skip)
     if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
         iterator = iter(loader)
-        return iterator, _replay(iterator, skip, "an IterableDataset or a plain iterable")
+        why = "an IterableDataset or a plain iterable"
+        if isinstance(loader, DataLoader) and usable_state(loader.dataset):
+            why = ("the IterableDataset has a state_dict(), but each of the DataLoader's worker "
+                   "processes holds its own copy, out of reach: torchdata's StatefulDataLoader "
+                   "gathers them")
+        return iterator, _replay(iterator, skip, why)
     swaps: dict[str, Any] = {}
     if loader.num_workers:
         swaps["dataset"] = SeededSamples(loader.dataset)
@@ -248,20 +255,22 @@ def streams_kept() -> Iterator[None]:
             np.random.set_state(saved[2])
 
 
-def advance(iterator: Iterator[Any], skip: int) -> None:
-    """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``.
+def advance(iterator: Iterator[Any], skip: int, already: int = 0, of: int | None = None,
+            ) -> None:
+    """Take ``skip`` items (batches, or the sampler's index lists) from ``iterator``, of the
+    ``of`` the checkpoint's position needs, ``already`` taken before.
 
     Raises:
         UsageError: it ran out first: the data is not what the checkpoint was taken on.
     """
-    for done in range(skip):
+    for done in range(already, already + skip):
         try:
             next(iterator)
         except StopIteration:
             raise UsageError(
                 f"the data loader ran out after {done} batches, but the checkpoint was taken "
-                f"after batch {skip} of this epoch: did the data set or batch size change? Use "
-                "a new checkpoint dir to start over.") from None
+                f"after batch {of or skip} of this epoch: did the data set or batch size "
+                "change? Use a new checkpoint dir to start over.") from None
 
 
 def wraps_a_loader(loader: object) -> bool:
@@ -290,6 +299,24 @@ def usable_state(loader: object) -> bool:
     return True
 
 
+def stateful_source(loader: object) -> Any:
+    """What puts ``loader`` back where it was by its own state, or None: the loader itself
+    (torchdata's ``StatefulDataLoader``, a stateful iterator of the script's own), or, for a
+    ``DataLoader`` without worker processes over an ``IterableDataset`` that has
+    ``state_dict()``/``load_state_dict()`` (a sharded stream that counts its own position,
+    Hugging Face's streaming ``datasets``), the data set: without workers the DataLoader reads
+    a batch's samples when the batch is asked for, so at a safe point the data set's state is
+    exactly after the batches trained on. (With workers, each holds its own copy of the data
+    set, out of reach: :func:`open_at` replays and says to use ``StatefulDataLoader``.)"""
+    if usable_state(loader):
+        return loader
+    if isinstance(loader, DataLoader) and not wraps_a_loader(loader) \
+            and isinstance(loader.dataset, IterableDataset) and not loader.num_workers \
+            and usable_state(loader.dataset):
+        return loader.dataset
+    return None
+
+
 def align_epoch(loader: object, epoch: int) -> None:
     """Tell a loader that counts its own passes (Accelerate's ``DataLoaderShard``: its
     ``iteration`` picks a seedable sampler's order) which epoch this is: a resumed process
@@ -297,58 +324,6 @@ def align_epoch(loader: object, epoch: int) -> None:
     if wraps_a_loader(loader) and isinstance(getattr(loader, "iteration", None), int) \
             and callable(getattr(loader, "set_epoch", None)):
         loader.set_epoch(epoch)  # type: ignore[attr-defined]
-
-
-def loader_shape(loader: object) -> dict[str, int | None]:
-    """What a resume's position depends on: the batch size, the batches of an epoch and the
-    samples (None where the loader does not say)."""
-    def size(obj: object) -> int | None:
-        try:
-            return len(obj)  # type: ignore[arg-type]
-        except (TypeError, NotImplementedError):
-            return None
-
-    batch_size = getattr(loader, "batch_size", None)
-    return {"batch_size": batch_size if isinstance(batch_size, int) else None,
-            "batches": size(loader), "samples": size(getattr(loader, "dataset", None))}
-
-
-def map_position(saved: dict[str, Any] | None, now: dict[str, int | None], skip: int,
-                 ) -> tuple[int, str | None]:
-    """The batches to pass over for a checkpoint taken after batch ``skip`` of a loader of the
-    ``saved`` shape, in a loader of shape ``now``; and what to say about it (None: nothing
-    changed).
-
-    Raises:
-        UsageError: the samples trained on are no whole number of the new batches.
-    """
-    if not saved or not skip:
-        return skip, None
-    old_bs, new_bs = saved.get("batch_size"), now["batch_size"]
-    notes = []
-    if old_bs and new_bs and old_bs != new_bs:
-        trained = skip * old_bs
-        if trained % new_bs:
-            raise UsageError(
-                f"the batch size changed from {old_bs} to {new_bs} since the checkpoint, taken "
-                f"after {skip} batches ({trained} samples) of this epoch, and {trained} samples "
-                f"are no whole number of batches of {new_bs}: resume with batch size {old_bs}, "
-                "or use a new checkpoint dir to start over")
-        notes.append(f"the batch size changed from {old_bs} to {new_bs} since the checkpoint: "
-                     f"passing over {trained // new_bs} batches of {new_bs} (the {trained} "
-                     f"samples trained on), not {skip}")
-        skip = trained // new_bs
-    inexact = ("the batches passed over are not the ones trained on, so the resume is not "
-               "exact; use a new checkpoint dir to start over")
-    old_n, new_n = saved.get("samples"), now["samples"]
-    old_b, new_b = saved.get("batches"), now["batches"]
-    if old_n is not None and new_n is not None and old_n != new_n:
-        notes.append(f"the data set has {new_n} samples, {old_n} when the checkpoint was "
-                     f"taken: {inexact}")
-    elif not notes and old_b is not None and new_b is not None and old_b != new_b:
-        notes.append(f"the data loader has {new_b} batches an epoch, {old_b} when the "
-                     f"checkpoint was taken: {inexact}")
-    return skip, "; ".join(notes) or None
 
 
 def loader_generators(loader: object) -> list[torch.Generator]:
@@ -371,11 +346,40 @@ def loader_generators(loader: object) -> list[torch.Generator]:
 
 
 # -- internals -------------------------------------------------------------------------------
-def _replay(iterator: Iterator[Any], skip: int, why: str) -> str:
-    """Produce the first ``skip`` batches again and drop them; say so and why."""
+#: After this long into a replay, it says how long the rest will take; then, this often, how
+#: far it got (a replay of hours of streamed data must not look like a hang).
+REPLAY_ESTIMATE_AFTER = 1.0
+REPLAY_PROGRESS_EVERY = 30.0
+REPLAY_HINT = ("to resume without reading them again, give the data set state_dict() and "
+               "load_state_dict() and load it with torchdata's StatefulDataLoader, or use a "
+               "map-style data set")
+
+
+def _replay(iterator: Iterator[Any], skip: int, why: str,
+            clock: Callable[[], float] = time.monotonic) -> str:
+    """Produce the first ``skip`` batches again and drop them; say so and why. After a second,
+    say how long the rest will take at the rate so far, and then every half minute how far
+    it got."""
     if not skip:
         return ""
-    advance(iterator, skip)
+    started = last_said = clock()
+    estimated = False
+    for done in range(1, skip + 1):
+        advance(iterator, 1, already=done - 1, of=skip)
+        now = clock()
+        if done == skip:
+            break
+        if not estimated and now - started >= REPLAY_ESTIMATE_AFTER:
+            estimated, last_said = True, now
+            rate = done / (now - started)
+            logger.warning("replaying the %d batches trained before the restart (%s): about %s "
+                           "at %.3g batches/s; %s", skip, why,
+                           format_duration((skip - done) / rate), rate, REPLAY_HINT)
+        elif estimated and now - last_said >= REPLAY_PROGRESS_EVERY:
+            last_said = now
+            rate = done / (now - started)
+            logger.info("replayed %d of %d batches, about %s left", done, skip,
+                        format_duration((skip - done) / rate))
     return (f"replayed the {skip} batches trained before the restart ({why}: its cost grows "
             "with the position)")
 

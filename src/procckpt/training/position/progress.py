@@ -32,9 +32,9 @@ from typing import Any, TypeVar
 import torch
 
 from ...protocol.events import append_event
-from .loaders import (align_epoch, check_loader, loader_generators, loader_shape, map_position,
-                      open_at, usable_state)
+from .loaders import align_epoch, check_loader, loader_generators, open_at, stateful_source
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
+from .shape import loader_shape, map_position
 
 __all__ = ["Progress", "STREAMS_MOVED"]
 
@@ -206,7 +206,7 @@ class Progress:
             self._epoch_rng["loader_generators"] = generator_states(generators)
         self._loader_generators = generators
         self._epoch_used_batches = True
-        stateful = loader if usable_state(loader) else None
+        stateful = stateful_source(loader)
         self._stateful_loader = stateful
         shape, saved_shape, self._resume_shape = loader_shape(loader), self._resume_shape, None
         self.loader_shape = shape
@@ -214,7 +214,8 @@ class Progress:
         if stateful is not None and self._resume_loader_state is not None:
             stateful.load_state_dict(self._resume_loader_state)
             iterator = iter(loader)
-            how = "restored the loader's own state (nothing read again)"
+            how = ("restored the loader's own state (nothing read again)" if stateful is loader
+                   else "restored the data set's own state (nothing read again)")
         else:
             skip, changed = map_position(saved_shape, shape, skip)
             if changed:
