@@ -43,13 +43,14 @@ FRAMEWORKS = ("lightning", "transformers", "accelerate")
 
 def plan(python: str, sizes: list[str]) -> list[tuple[str, list[str], float]]:
     """(what, argv, time limit in seconds) of each step."""
-    steps = [("CUDA tests", [python, "-m", "pytest", "-m", "cuda", "-q", "-rs",
+    parallel = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []
+    steps = [("CUDA tests", [python, "-m", "pytest", "-m", "cuda", "-q", "-rs", *parallel,
                              "-p", "no:cacheprovider", "tests"], 240.0)]
     for size in sizes:
         large = size.upper().endswith("GIB") and float(size[:-3]) > 2
         steps.append((f"GPU checkpoint, {size}",
                       [python, str(REPO / "benchmarks" / "gpu_checkpoint.py"), "--size", size,
-                       "--repeats", "3" if large else "5"], 210.0 if large else 120.0))
+                       "--repeats", "3" if large else "5"], 180.0 if large else 120.0))
     return steps
 
 
