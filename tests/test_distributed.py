@@ -317,14 +317,15 @@ def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
             out["c"] = "ran to the end"
         except SystemExit as e:
             out["c"] = (e.code, ckpt_c.step)
-        # D: a one-process, mid-epoch checkpoint resumed by two ranks (allow_reshard): rank 1
-        # has no saved streams and keeps its seed; the position is scaled to 2 ranks.
+        # D: a one-process, mid-epoch checkpoint of a plain iterable resumed by two ranks
+        # (allow_reshard): which samples are left cannot be told, so it is refused (a
+        # DistributedSampler's rest is dealt out again: test_loaders, e2e/test_torchrun).
         torch.manual_seed(100 + rank)
-        ckpt_d = Checkpointer(Path(root) / "d", model=nn.Linear(4, 2), allow_reshard=True,
-                              save_every=0)
-        out["d_resumed_at"] = (ckpt_d.epoch, ckpt_d.batch)
-        seen = [i for _ in ckpt_d.epochs(1) for i in ckpt_d.batches(range(10))]
-        out["d_seen"] = seen
+        try:
+            Checkpointer(Path(root) / "d", model=nn.Linear(4, 2), allow_reshard=True,
+                         save_every=0)
+        except UsageError as e:
+            out["d_refused"] = str(e)
     except Exception:
         out["error"] = traceback.format_exc()
     results.put(out)
@@ -625,17 +626,17 @@ def test_one_process_refuses_a_two_rank_checkpoint_unless_resharding(two_ranks):
     directory = root / "a"
     with pytest.raises(pd.WorldSizeMismatch, match="written by 2 ranks, this run has 1"):
         Checkpointer(directory, model=nn.Linear(4, 2))
-    model = nn.Linear(4, 2)
-    ckpt = Checkpointer(directory, model=model, allow_reshard=True)
-    assert ckpt.step == 5 and ckpt.batch == 5 * 2  # the epoch position scaled by 2 ranks / 1
-    ckpt.close()
+    # Mid-epoch, with a loader that says no batch size (a plain iterable): the samples left
+    # cannot be dealt out again over one rank, so even resharding refuses, saying what to do.
+    with pytest.raises(UsageError, match="in the middle of epoch 0 with 2 ranks and this run "
+                                         "has 1.*resume with 2 ranks"):
+        Checkpointer(directory, model=nn.Linear(4, 2), allow_reshard=True)
 
 
-def test_two_ranks_reshard_a_one_process_checkpoint_mid_epoch(two_ranks):
+def test_two_ranks_refuse_a_one_process_checkpoint_of_a_plain_iterable_mid_epoch(two_ranks):
     _, results = two_ranks
-    # 5 batches of one process are 2 (rounded down) of each of two ranks.
-    assert results[0]["d_resumed_at"] == results[1]["d_resumed_at"] == (0, 2)
-    assert results[0]["d_seen"] == results[1]["d_seen"] == list(range(2, 10))
+    for rank in (0, 1):
+        assert "cannot be dealt out again: resume with 1 ranks" in results[rank]["d_refused"]
 
 
 @pytest.mark.parametrize("local_world, gpus, backend", [

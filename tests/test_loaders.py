@@ -245,3 +245,41 @@ def test_a_stream_with_a_state_read_by_worker_processes_is_replayed_with_what_to
     iterator, how = open_at(loader, 1)
     assert how.startswith("replayed the 1 batches") and "StatefulDataLoader gathers" in how
     assert len(list(iterator)) == 2
+
+
+@pytest.mark.parametrize("before,after,batches", [(2, 3, 5), (3, 2, 4), (2, 3, 6), (4, 4, 3)])
+def test_the_rest_of_an_epoch_is_dealt_out_over_other_ranks_each_sample_once(
+        before: int, after: int, batches: int):
+    from torch.utils.data import DistributedSampler
+
+    from procckpt.training.position.resplit import RemainderSampler, resplit_position
+
+    data, batch_size = list(range(60)), 2
+    trained: list[int] = []
+    for rank in range(before):
+        sampler = DistributedSampler(data, num_replicas=before, rank=rank, seed=7)
+        sampler.set_epoch(1)
+        trained += list(sampler)[:batches * batch_size]
+    payload = {"progress": {"epoch": 1, "batch": batches, "loader": {"batch_size": batch_size}}}
+    progress = resplit_position(payload, before, after, log=False)["progress"]
+    assert progress["batch"] == 0 and progress["epoch_samples_before"] == len(trained)
+    rest: list[int] = []
+    for rank in range(after):
+        sampler = DistributedSampler(data, num_replicas=after, rank=rank, seed=7)
+        sampler.set_epoch(1)
+        rest += list(RemainderSampler(sampler, progress["epoch_samples_before"]))
+    counts = {i: (trained + rest).count(i) for i in data}
+    pad = -(len(data) - len(trained)) % after
+    assert set(counts.values()) <= {1, 2} and list(counts.values()).count(2) == pad
+    # A second change in the same epoch adds to what was trained before it.
+    again = resplit_position({"progress": {**progress, "batch": 1}}, after, before, log=False)
+    assert again["progress"]["epoch_samples_before"] == len(trained) + batch_size * after
+
+
+def test_a_rest_that_cannot_be_dealt_out_again_is_refused_with_what_to_do():
+    from procckpt.training.position.resplit import remainder_batches, resplit_position
+
+    with pytest.raises(UsageError, match="did not say its batch size"):
+        resplit_position({"progress": {"epoch": 0, "batch": 3, "loader": None}}, 2, 3)
+    with pytest.raises(UsageError, match="give the DataLoader sampler=DistributedSampler"):
+        remainder_batches(torch.utils.data.DataLoader(list(range(8)), batch_size=2), 4)

@@ -24,7 +24,7 @@ import torch
 
 from procckpt.protocol.events import read_events
 
-from ..conftest import EXAMPLES, PYTHON, procckpt_argv, run
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 DDP = EXAMPLES / "ddp_train.py"
@@ -206,3 +206,48 @@ def test_other_world_size_is_refused_or_resharded_exactly(workdir: Path):
     assert full_two.keys() == full_one.keys()
     for key in full_two:  # each rank's shard landed in the right place of the full tensor
         assert torch.equal(full_two[key], full_one[key]), key
+
+
+LEDGER = PROGRAMS / "ledger_train.py"
+
+
+def ledger_counts(ledger: Path, epoch: int) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for path in ledger.glob("*.txt"):
+        for line in path.read_text().splitlines():
+            e, index = map(int, line.split())
+            if e == epoch:
+                counts[index] = counts.get(index, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("before,after", [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
+def test_another_world_size_trains_the_rest_of_the_epoch_each_sample_once(
+        workdir: Path, before: int, after: int):
+    ledger, ckpt = workdir / "ledger", workdir / "ckpt"
+    ledger.mkdir()
+    n, batch_size = 240, 2
+    args = ["--samples", str(n), "--batch-size", str(batch_size), "--ledger", str(ledger)]
+    # The first allocation: stopped by its time limit in the middle of epoch 0, not restarted.
+    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
+                 "5s", "--max-restarts", "0", "--",
+                 *torchrun(before, LEDGER, *args, "--name", "first")], cwd=workdir, timeout=300)
+    assert first.returncode == 75, first.stderr[-3000:]
+    saved = [e for e in read_events(ckpt / "events.jsonl") if e["event"] == "checkpoint"][-1]
+    assert saved["epoch"] == 0 and saved["batch"] > 0, saved
+    # The next allocation has another number of ranks.
+    second = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *torchrun(
+        after, LEDGER, *args, "--name", "second", "--step-sleep", "0")], cwd=workdir,
+        timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+    done = saved["batch"] * batch_size * before
+    # Every sample of the interrupted epoch once; where the rest does not divide among the
+    # new ranks, DistributedSampler's padding repeats as few as it needs (fewer than a rank).
+    counts = ledger_counts(ledger, 0)
+    assert set(counts) == set(range(n)), sorted(set(range(n)) - set(counts))
+    pad = -(n - done) % after
+    assert sorted(c for c in counts.values() if c != 1) == [2] * pad, counts
+    # The next epoch, all in the new world size, as a DistributedSampler deals it.
+    assert ledger_counts(ledger, 1) == {i: 1 for i in range(n)}
+    assert (f"resuming epoch 0 with {after} ranks from a checkpoint of {before}: the samples "
+            f"of it not yet trained on (after the first {done} of its order)") in second.stderr

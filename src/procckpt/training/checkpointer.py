@@ -35,6 +35,7 @@ from .link.liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .member import CheckpointerAsMember
 from .position.progress import Progress
+from .position.resplit import BEFORE
 from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
 from .saving import Saves, background_savers
 from .link.timing import CycleTimer
@@ -303,6 +304,8 @@ class Checkpointer:
     def _payload(self, exclude: set[str] | None = None) -> dict[str, Any]:
         progress = {"epoch": self.epoch, "batch": self.batch, "step": self.step,
                     "best_metric": self.best_metric, "loader": self._progress.loader_shape}
+        if self._progress.samples_before:  # the epoch was resumed with another world size
+            progress[BEFORE] = self._progress.samples_before
         return build_payload(self._statefuls, progress, self._progress.saved_state(),
                              self.extras, exclude)
 

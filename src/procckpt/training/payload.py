@@ -5,7 +5,8 @@ it loads with ``torch.load(weights_only=True)``::
 
     {"format": 1,
      "statefuls": {name: state_dict(), ...},      # model, optimizer, scheduler, ...
-     "progress": {"epoch", "batch", "step", "best_metric", "loader"},  # loader: its shape
+     "progress": {"epoch", "batch", "step", "best_metric", "loader",  # loader: its shape
+                  "epoch_samples_before"?},  # after a resume with another world size
      "rng": {...}, "epoch_rng": {...} | None,     # see progress.py
      "extras": {...}}                             # the script's own small values
 """

@@ -20,6 +20,7 @@ from . import distributed as dist_
 from .link.context import force_requested
 from .io.mapped import MappedVerification, private_copy
 from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
+from .position.resplit import resplit_position
 
 __all__ = ["load_newest_verified", "single_process_view", "announce_resume", "resume_newest",
            "apply_payload", "finished_already"]
@@ -104,7 +105,7 @@ def single_process_view(info: CheckpointInfo, payload: dict[str, Any],
     saved_world = int(info.manifest.get("world_size", 1) or 1)
     if saved_world != 1:
         dist_.check_world_size(info, saved_world, 1, allow_reshard)
-        payload = dist_.rescale_position(payload, saved_world, 1)
+        payload = resplit_position(payload, saved_world, 1)
     dist_.load_sharded(statefuls, info.path, list(info.manifest.get("sharded") or []),
                        use_group=False)
     return payload

@@ -54,6 +54,7 @@ from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_
                       lasting_write_error)
 from ..io.background import staged
 from ..io.writer import save_payload
+from ..position.resplit import resplit_position
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
@@ -344,7 +345,8 @@ class DistributedCoordinator:
         if saved_world != self.world_size:
             check_world_size(info, saved_world, self.world_size, self.allow_reshard,
                              log=self.rank == 0)
-            payload = rescale_position(payload, saved_world, self.world_size, log=self.rank == 0)
+            payload = resplit_position(payload, saved_world, self.world_size,
+                                       log=self.rank == 0)
         if self.rank == 0 or self.rank >= saved_world:
             if self.rank >= saved_world:
                 logger.warning("rank %d has no saved random streams (the checkpoint has %d "
@@ -383,18 +385,6 @@ def check_world_size(info: CheckpointInfo, saved: int, now: int, allow_reshard: 
                        "uninterrupted run", info.name, saved, now)
 
 
-def rescale_position(payload: dict[str, Any], saved: int, now: int,
-                     log: bool = True) -> dict[str, Any]:
-    """Keep the fraction of the epoch already trained when the world size changes: with a
-    DistributedSampler each rank's share of an epoch scales with 1/world_size."""
-    progress = dict(payload["progress"])
-    batch = int(progress.get("batch", 0))
-    if batch:
-        progress["batch"] = (batch * saved) // now
-        (logger.warning if log else logger.debug)(
-            "mid-epoch checkpoint: resuming at batch %d of the epoch (was %d with %d ranks)",
-            progress["batch"], batch, saved)
-    return {**payload, "progress": progress}
 
 
 def _lasting(error: BaseException, root: Path) -> StorageError | None:

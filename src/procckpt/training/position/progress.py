@@ -32,7 +32,9 @@ from typing import Any, TypeVar
 import torch
 
 from ...protocol.events import append_event
-from .loaders import align_epoch, check_loader, loader_generators, open_at, stateful_source
+from .loaders import (align_epoch, check_loader, loader_generators, open_at, stateful_source,
+                      swapped)
+from .resplit import BEFORE, remainder_batches
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .shape import loader_shape, map_position
 
@@ -88,6 +90,9 @@ class Progress:
         self.streams_at_resume: tuple[Any, ...] | None = None
         #: ``steps()`` without ``epochs()``: an iteration-based loop, counted by step only.
         self.in_steps = False
+        #: Samples of the epoch in progress trained before a resume with another number of
+        #: ranks (resplit.py); the rest of the epoch is dealt out without them.
+        self.samples_before = 0
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -114,6 +119,7 @@ class Progress:
             self._pending_skip = self.batch
         self._resume_loader_state = loader_state
         self._resume_shape = progress.get("loader")
+        self.samples_before = int(progress.get(BEFORE, 0) or 0)
         self.streams_at_resume = global_streams()
 
     def check_streams(self, journal: Path | None) -> None:
@@ -168,6 +174,7 @@ class Progress:
     def end_epoch(self) -> None:
         self.epoch += 1
         self.batch = 0
+        self.samples_before = 0
         self._epoch_rng = None
         if not self._epoch_used_batches:  # an epoch without batches() counts as one step
             self.step += 1
@@ -222,7 +229,10 @@ class Progress:
                 logger.warning("%s", changed)
                 if journal is not None:
                     append_event(journal, "warning", step=self.step, message=changed)
-            iterator, how = open_at(loader, skip, isolate_loads)
+            swaps = ({"batch_sampler": remainder_batches(loader, self.samples_before)}
+                     if self.samples_before else {})
+            with swapped(loader, swaps):  # type: ignore[arg-type]
+                iterator, how = open_at(loader, skip, isolate_loads)
         self._resume_loader_state = None
         if skip:
             assert self._resume_rng is not None
