@@ -158,8 +158,8 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
     --gres, --mem, -J, -o, ...) goes into the script untouched; every procckpt run option
     but --time-limit (the job's -t is the limit), --force and --node-rank is passed on to
     procckpt run, and procckpt.yaml and PROCCKPT_* are read for the --signal lead as the job
-    will read them. A COMMAND that is a job script with #SBATCH lines is wrapped: its #SBATCH lines are kept. Pyxis options
-    (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
+    will read them. A COMMAND that is a job script with #SBATCH lines is wrapped: its #SBATCH
+    lines are kept. Pyxis options (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
     container with srun; the job script requeues from outside.
 
     \b
@@ -281,7 +281,8 @@ def k8s(command: tuple[str, ...], dir_: str | None, grace: str | None, max_resta
                       list(command))
     spec = K8sJobSpec(
         command=list(command), dir=dir_, grace=run.grace_for(run.time_limit),
-        max_restarts=run.max_restarts, time_limit=run.time_limit, node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env_, "--env"),
+        max_restarts=run.max_restarts, time_limit=run.time_limit,
+        node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env_, "--env"),
         **options)
     click.echo(render_manifest(spec), nl=False)
 

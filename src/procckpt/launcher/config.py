@@ -325,7 +325,3 @@ def _validate(config: RunConfig) -> None:
     if config.nodes > 1 and config.engine == "dmtcp":
         raise UsageError("--nodes needs the hooks engine (procckpt.Checkpointer in the "
                          "script): a DMTCP image holds one node's processes")
-
-
-def option_names() -> list[str]:
-    return list(OPTIONS)

@@ -87,7 +87,9 @@ class RemainderSampler(Sampler[int]):
         return iter(self._indices())
 
     def __len__(self) -> int:
-        return len(self._indices())
+        rest = max(0, len(self.base.dataset) - self.before)  # type: ignore[arg-type]
+        ranks = self.base.num_replicas
+        return rest // ranks if self.base.drop_last else -(-rest // ranks)
 
 
 def remainder_batches(loader: Any, before: int) -> BatchSampler:
