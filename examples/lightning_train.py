@@ -1,12 +1,16 @@
 """A Lightning training script with procckpt's three lines: a shuffling DataLoader (0 or more
 workers) over a data set with a random transform in ``__getitem__``, dropout, a step-wise LR
 schedule, validation after each epoch. Run under ``procckpt run`` (or alone); writes the final
-weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank.
+weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU process a rank; with
+``--fsdp``: FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``), each rank
+holding and saving half of the model and optimizer state.
 
 Prints "resume_from PATH" (or "resume_from -") and "step N" after each training step.
 
     procckpt run --time-limit 1m -- python examples/lightning_train.py --epochs 5
     procckpt run -- torchrun --standalone --nproc-per-node 2 examples/lightning_train.py --ddp
+    procckpt run --time-limit 1m -- torchrun --standalone --nproc-per-node 2 \
+        examples/lightning_train.py --fsdp
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ class Classifier(L.LightningModule):
         print(f"step {step}", flush=True)
         return loss
 
+    def configure_model(self):
+        """Under ModelParallelStrategy: each linear layer, then the whole, sharded over the
+        ranks (FSDP2)."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(self.net, mesh=mesh["data_parallel"])
+
     def validation_step(self, batch, batch_idx):
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
@@ -55,6 +72,8 @@ class Classifier(L.LightningModule):
 
 def main() -> None:
     parser = framework_common.parser()
+    parser.add_argument("--fsdp", action="store_true",
+                        help="FSDP2 over the ranks of torchrun (ModelParallelStrategy)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -65,13 +84,26 @@ def main() -> None:
     cb = ProcckptCallback()
     if os.environ.get("RANK", "0") == "0":
         print(f"resume_from {cb.resume_from or '-'}", flush=True)
+    strategy = "ddp" if args.ddp else "auto"
+    if args.fsdp:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=int(os.environ["WORLD_SIZE"]),
+                                         tensor_parallel_size=1)
     trainer = L.Trainer(max_epochs=args.epochs, accelerator="gpu" if args.cuda else "cpu",
-                        devices=2 if args.ddp else 1, strategy="ddp" if args.ddp else "auto",
+                        devices=2 if args.ddp or args.fsdp else 1, strategy=strategy,
                         callbacks=[cb], logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, train, val, ckpt_path=cb.resume_from)
+    state = model.state_dict()
+    if args.fsdp:  # every rank takes part in gathering the full weights
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                     cpu_offload=True))
     if args.out and trainer.global_rank == 0:
-        torch.save({k: v.cpu() for k, v in model.state_dict().items()}, args.out)
+        torch.save({k: v.cpu() for k, v in state.items()}, args.out)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,22 @@ in one ``state.pt`` of procckpt's store: manifest, checksums, keep-N, fallback, 
 background unless it is a stop's. ``resume_from`` is that file for the newest checkpoint that
 verifies: Lightning restores the model, optimizers, schedulers and its loops from it, procckpt
 the data position and the random streams.
+
+Under ``ModelParallelStrategy`` (FSDP2 ``fully_shard``, tensor parallel) each rank writes its
+shards of the model and optimizer states through DCP, in parallel, named as Lightning's own
+distributed checkpoint names them, and the rest of Lightning's dictionary is the checkpoint's
+``meta.pt`` (a link to ``state.pt``): the checkpoint directory is a Lightning distributed
+checkpoint, and ``resume_from`` is that directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 try:
@@ -32,7 +41,10 @@ except ImportError:  # the older package name
 
 from torch.utils.data import DataLoader
 
+from ..errors import ProcckptError
+from ..store import PendingCheckpoint
 from ..training.checkpointer import Checkpointer
+from ..training.distributed import Sharded
 from ..training.driven import DrivenLoop, kept_apart, positioned
 from ..training.payload import PAYLOAD
 from ._common import checkpointer_resumed_from, newest_verified
@@ -40,6 +52,10 @@ from ._common import checkpointer_resumed_from, newest_verified
 __all__ = ["ProcckptCallback"]
 
 logger = logging.getLogger(__name__)
+
+#: The file of a Lightning distributed checkpoint that holds all but the sharded state
+#: (lightning.fabric.strategies.model_parallel._METADATA_FILENAME).
+_META = "meta.pt"
 
 
 class ProcckptCallback(pl.Callback):
@@ -63,7 +79,10 @@ class ProcckptCallback(pl.Callback):
         self._settings = {"dir": dir, "keep": keep, "interval": interval,
                           "async_save": async_save}
         self._chosen = info = newest_verified(dir)
-        self.resume_from: str | None = str(info.file(PAYLOAD)) if info is not None else None
+        self.resume_from: str | None = None
+        if info is not None:  # a distributed checkpoint is the directory, else one file
+            sharded = _META in info.manifest.get("files", {})
+            self.resume_from = str(info.path if sharded else info.file(PAYLOAD))
         self.checkpointer: Checkpointer | None = None
         self._loop: DrivenLoop | None = None
 
@@ -72,8 +91,13 @@ class ProcckptCallback(pl.Callback):
         if stage != "fit" or self.checkpointer is not None:
             return
         # Here, not in __init__: under DDP the process group exists only once fit started.
-        ckpt = checkpointer_resumed_from(self._chosen, **self._settings,
-                                         lightning=_TrainerState(trainer))
+        shards = _sharded_state(trainer)
+        statefuls: dict[str, Any] = {"lightning": _TrainerState(trainer, sharded=bool(shards))}
+        if shards:
+            statefuls["lightning_shards"] = shards
+        ckpt = checkpointer_resumed_from(self._chosen, **self._settings, **statefuls)
+        if shards:
+            ckpt.store.adopt = _add_metadata_file
         self.checkpointer = ckpt
         self._loop = DrivenLoop(ckpt)
         _position_train_loader(trainer, self._loop)
@@ -103,16 +127,96 @@ class _TrainerState:
 
     procckpt_framework = True
 
-    def __init__(self, trainer: pl.Trainer) -> None:
+    def __init__(self, trainer: pl.Trainer, *, sharded: bool = False) -> None:
         self._trainer = trainer
+        self._sharded = sharded
 
     def state_dict(self) -> dict[str, Any]:
         # What Trainer.save_checkpoint writes, without its write: procckpt's store does that.
-        state = self._trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        dump = self._trainer._checkpoint_connector.dump_checkpoint
+        if not self._sharded:
+            return _plain(dump(weights_only=False))
+        # The model's and the optimizers' states are _LightningShards': not gathered here.
+        with _overridden(self._trainer.strategy, lightning_module_state_dict=dict,
+                         optimizer_state=lambda optimizer: {}):
+            state = dump(weights_only=False)
+        del state["state_dict"], state["optimizer_states"]
         return _plain(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass  # never called: Lightning loads resume_from itself
+
+
+class _LightningShards(Sharded):
+    """This rank's shards of the model's and the optimizers' states under a sharded strategy,
+    saved by procckpt through DCP under the names of Lightning's distributed checkpoint
+    (``state_dict``, ``optimizer_0``, ...) and loaded by Lightning from ``resume_from``."""
+
+    procckpt_framework = True
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        self._trainer = trainer  # its model and optimizers exist once the strategy set up
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        strategy = self._trainer.strategy
+        state = {"state_dict": get_model_state_dict(strategy.model)}
+        for i, optimizer in enumerate(strategy.optimizers):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+            state[f"optimizer_{i}"] = get_optimizer_state_dict(strategy.model, optimizer)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        raise AssertionError("Lightning loads its distributed checkpoint itself")
+
+
+def _sharded_state(trainer: pl.Trainer) -> _LightningShards | None:
+    """The sharded state of ``trainer``'s strategy, None under one that is not sharded.
+
+    Raises:
+        ProcckptError: a sharded strategy procckpt does not save (FSDP1, DeepSpeed).
+    """
+    strategy = trainer.strategy
+    kinds = {name: getattr(pl.strategies, name, None)
+             for name in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")}
+    if kinds["ModelParallelStrategy"] and isinstance(strategy, kinds["ModelParallelStrategy"]):
+        return _LightningShards(trainer)
+    for name in ("FSDPStrategy", "DeepSpeedStrategy"):
+        if kinds[name] and isinstance(strategy, kinds[name]):
+            raise ProcckptError(
+                f"Lightning's {name} is not saved by procckpt: use ModelParallelStrategy "
+                "(FSDP2: fully_shard in configure_model), whose shards procckpt writes "
+                "through DCP, or leave ProcckptCallback out and use Lightning's own "
+                "ModelCheckpoint")
+    return None
+
+
+def _add_metadata_file(pending: PendingCheckpoint) -> None:
+    """Name ``state.pt`` also ``meta.pt``, the file of Lightning's distributed checkpoint
+    that holds all but the shards (a hard link; a copy where links are not possible)."""
+    source, target = pending.path / PAYLOAD, pending.path / _META
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+        pending.add_file(_META)
+        return
+    written = pending.files[PAYLOAD]
+    pending.record_file(_META, written["bytes"], written["crc32"])
+
+
+@contextlib.contextmanager
+def _overridden(obj: Any, **methods: Any) -> Iterator[None]:
+    """``obj``'s methods replaced by ``methods`` inside the block (on the instance only)."""
+    for name, method in methods.items():
+        setattr(obj, name, method)
+    try:
+        yield
+    finally:
+        for name in methods:
+            delattr(obj, name)
 
 
 def _plain(value: Any) -> Any:

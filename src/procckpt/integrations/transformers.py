@@ -85,7 +85,8 @@ class ProcckptCallback(TrainerCallback):
             raise ProcckptError(
                 f"the Trainer runs with {sharded[0]}, whose checkpoints are directory trees "
                 "that procckpt's Trainer integration does not adopt yet: run without "
-                "ProcckptCallback (the Trainer's own save_strategy), or with plain DDP")
+                "ProcckptCallback (the Trainer's own save_strategy), with plain DDP, or "
+                "shard through Accelerate or Lightning with procckpt (docs/frameworks.md)")
         # Here: under DDP the process group exists once the TrainingArguments made it.
         ckpt = checkpointer_resumed_from(self._chosen, **self._settings, async_save=False)
         ckpt.store.adopt = self._adopt_trainer_files

@@ -58,7 +58,8 @@ from ..position.resplit import resplit_position
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
-from .sharded import dcp_errors, dcp_failure, dcp_failures, load_sharded, sharded_of
+from .sharded import (dcp_errors, dcp_failure, dcp_failures, dcp_state, load_sharded,
+                      sharded_of)
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
            "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
@@ -193,7 +194,7 @@ class DistributedCoordinator:
         if sharded:
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                local_sums = save_dcp(dict(sharded), tmp, self.group)
+                local_sums = save_dcp(dcp_state(sharded), tmp, self.group)
             except dcp_errors() as e:
                 error, lasting = f"sharded state: {dcp_failure(e)}", _lasting(e, ck.store.root)
         if error is None:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ...errors import ProcckptError
 from .dcp_files import Sums, gather_sums, save_dcp
-from .sharded import Sharded, dcp_errors, dcp_failure
+from .sharded import Sharded, dcp_errors, dcp_failure, dcp_state
 
 __all__ = ["ShardWrites"]
 
@@ -45,7 +45,7 @@ class ShardWrites:
 
     def live(self) -> dict[str, Any]:
         """The state dicts DCP plans from (collective where ``get_state_dict`` is)."""
-        return {name: obj.state_dict() for name, obj in self.sharded.items()}
+        return dcp_state(self.sharded)
 
     @staticmethod
     def locals_of(live: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import torch
 
 from ...errors import ProcckptError
 
-__all__ = ["Sharded", "dcp_errors", "dcp_failure", "dcp_failures", "load_sharded",
+__all__ = ["Sharded", "dcp_errors", "dcp_failure", "dcp_failures", "dcp_state", "load_sharded",
            "sharded_of"]
 
 
@@ -55,6 +55,30 @@ class Sharded:
 
 def sharded_of(statefuls: Mapping[str, Any]) -> dict[str, Sharded]:
     return {name: obj for name, obj in statefuls.items() if isinstance(obj, Sharded)}
+
+
+def _framework_loads(obj: Sharded) -> bool:
+    """Whether ``obj`` is a framework's sharded checkpoint (``procckpt_framework``): its
+    entries go at the top of DCP's checkpoint, named as the framework names them, and the
+    framework loads them itself (Lightning's distributed checkpoint)."""
+    return getattr(obj, "procckpt_framework", False) is True
+
+
+def dcp_state(sharded: Mapping[str, Sharded]) -> dict[str, Any]:
+    """What DCP saves of the ``Sharded`` statefuls: each one's state dict under its name, a
+    framework's entries at the top level (collective where ``get_state_dict`` is)."""
+    state: dict[str, Any] = {}
+    for name, obj in sharded.items():
+        if not _framework_loads(obj):
+            state[name] = obj.state_dict()
+            continue
+        entries = obj.state_dict()
+        clash = sorted(set(entries) & (set(sharded) | set(state)))
+        if clash:
+            raise ProcckptError(f"the {name} checkpoint has entries named like other state: "
+                                f"{', '.join(clash)}")
+        state.update(entries)
+    return state
 
 
 def dcp_errors() -> tuple[type[BaseException], ...]:
@@ -159,6 +183,7 @@ def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
         raise ProcckptError(
             f"checkpoint {path.name} has no sharded state for {', '.join(extra)}: it was written "
             "with other Checkpointer arguments; use a new checkpoint dir")
+    names = [n for n in names if not _framework_loads(targets[n])]
     if not names:
         return
     # Imported only here: torch.distributed.checkpoint pulls in DTensor, torch.fx and sympy
