@@ -5,11 +5,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Checkpointer", "Sharded", "init_distributed", "__version__"]
+__all__ = ["Checkpointer", "Sharded", "ShuffleBuffer", "init_distributed", "__version__"]
 
 if TYPE_CHECKING:
     from .training.distributed import Sharded, init_distributed
     from .training.checkpointer import Checkpointer
+    from .training.position.shuffle_buffer import ShuffleBuffer
 
 
 def __getattr__(name: str) -> Any:
@@ -18,6 +19,10 @@ def __getattr__(name: str) -> Any:
         from .training.checkpointer import Checkpointer
 
         return Checkpointer
+    if name == "ShuffleBuffer":
+        from .training.position.shuffle_buffer import ShuffleBuffer
+
+        return ShuffleBuffer
     if name in ("Sharded", "init_distributed"):
         from .training import distributed
 

@@ -1,0 +1,127 @@
+"""A stream shuffled through a buffer that is part of its state, so that a resume is exact.
+
+A streamed data set cannot be permuted as a whole; it is shuffled by holding ``size`` samples
+and handing out one of them at random as each new one arrives (Hugging Face's
+``IterableDataset.shuffle(buffer_size=...)``, webdataset's ``shuffle``). Their
+``state_dict()`` keeps the stream's position but not the buffer, so a resumed run refills it
+from later samples and trains on another order (and ``datasets`` 5.2 fails to load such a
+state under ``StatefulDataLoader``). Here the buffer's samples and its random stream are in
+``state_dict()``: a resumed run hands out the same samples in the same order, and reads only
+from where the stream stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ...errors import ProcckptError
+
+__all__ = ["ShuffleBuffer"]
+
+#: What ``state_dict()`` says it is, so that another data set's state is not taken for it.
+_KIND = "procckpt.ShuffleBuffer"
+
+
+class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
+    """Shuffle ``source`` through a buffer of ``size`` samples kept in the state::
+
+        stream = load_dataset("json", data_files=files, split="train", streaming=True)
+        data = procckpt.ShuffleBuffer(stream.map(tokenize), size=10_000, seed=0)
+        loader = StatefulDataLoader(data, batch_size=32, num_workers=2)
+        for epoch in ckpt.epochs(n):
+            data.set_epoch(epoch)
+            for batch in ckpt.batches(loader): ...
+
+    ``source`` is an iterable data set with ``state_dict()``/``load_state_dict()`` (a Hugging
+    Face streaming data set, a sharded reader of your own); ``set_epoch()`` is passed on to it.
+    Each epoch, and each DataLoader worker, draws its own order from ``seed``. With worker
+    processes, load it with torchdata's ``StatefulDataLoader``, which collects each worker's
+    state. The buffer travels with every state the workers report (each batch, by default):
+    with a large buffer of large samples, raise ``snapshot_every_n_steps``.
+    """
+
+    def __init__(self, source: Iterable[Any], size: int, seed: int = 0) -> None:
+        if size < 1:
+            raise ValueError(f"a shuffle buffer holds at least one sample, not {size}")
+        self.source, self.size, self.seed = source, size, seed
+        self.epoch = 0
+        #: The buffer and random stream of the iteration in progress (what state_dict saves).
+        self._buffer: list[Any] = []
+        self._generator: torch.Generator | None = None
+        #: A loaded state, taken by the next iteration.
+        self._restored: dict[str, Any] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Any]:
+        restored, self._restored = self._restored, None
+        generator = torch.Generator()
+        if restored is not None:
+            self._buffer = list(restored["buffer"])
+            generator.set_state(restored["rng"])
+        else:
+            self._buffer = []
+            generator.manual_seed(_seed(self.seed, self.epoch, _worker_id()))
+        self._generator = generator
+        return self._shuffled(self._buffer, generator)
+
+    def _shuffled(self, buffer: list[Any], generator: torch.Generator) -> Iterator[Any]:
+        # The state is read between two samples handed out, when ``buffer`` holds what the
+        # next ones are drawn from and the source is just past what went into it.
+        for sample in self.source:
+            if len(buffer) < self.size:
+                buffer.append(sample)
+                continue
+            i = int(torch.randint(self.size, (1,), generator=generator))
+            out, buffer[i] = buffer[i], sample
+            yield out
+        while buffer:  # the stream ended: hand out the rest in a random order
+            i = int(torch.randint(len(buffer), (1,), generator=generator))
+            buffer[i], buffer[-1] = buffer[-1], buffer[i]
+            yield buffer.pop()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The source's state, the samples in the buffer and the random stream, as they are
+        after the last sample handed out."""
+        save = getattr(self.source, "state_dict", None)
+        if not callable(save):
+            raise ProcckptError(
+                f"ShuffleBuffer's source, a {type(self.source).__name__}, has no state_dict(): "
+                "its position cannot be saved, so a resume reads it again from the start")
+        generator = self._generator or torch.Generator().manual_seed(
+            _seed(self.seed, self.epoch, _worker_id()))
+        return {"kind": _KIND, "size": self.size, "seed": self.seed, "epoch": self.epoch,
+                "source": save(), "buffer": list(self._buffer), "rng": generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` at the next iteration."""
+        if not isinstance(state, dict) or state.get("kind") != _KIND:
+            raise ProcckptError("this state was not saved by a ShuffleBuffer: the data set "
+                                "changed since the checkpoint; use the same one")
+        if (state["size"], state["seed"]) != (self.size, self.seed):
+            raise ProcckptError(
+                f"the checkpoint's shuffle buffer held {state['size']} samples with seed "
+                f"{state['seed']}, this one {self.size} with seed {self.seed}: an exact "
+                "resume needs the same; change them in a new checkpoint dir")
+        self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
+        self.epoch = state["epoch"]
+        self._restored = state
+
+
+def _worker_id() -> int:
+    info = get_worker_info()
+    return info.id if info is not None else 0
+
+
+def _seed(seed: int, epoch: int, worker: int) -> int:
+    """A seed for each (seed, epoch, worker), the same in every process and Python."""
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)

@@ -1,0 +1,73 @@
+"""Streamed data (examples/streaming_train.py): Hugging Face ``datasets`` with
+``streaming=True`` over local JSON Lines files, shuffled through ``procckpt.ShuffleBuffer``,
+two worker processes, torchdata's StatefulDataLoader. Under ``procckpt run`` with time
+limits, each resume in the middle of an epoch loads the stream's state instead of reading the
+epoch again, and the run ends with the weights of an uninterrupted run, bit for bit. The same
+files read by an iterable without state are replayed, and the run says so and how long it
+will take.
+
+8 files of 100 samples, batches of 8: 100 steps an epoch, 2 epochs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
+from .test_frameworks import events
+
+SCRIPT = EXAMPLES / "streaming_train.py"
+SMALL = ("--files", "8", "--rows", "100", "--data", "data")
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("datasets") is None or importlib.util.find_spec("torchdata") is None,
+    reason="needs Hugging Face datasets and torchdata (pip install datasets torchdata)")
+
+
+def reference(workdir: Path, *args: str) -> Path:
+    out = workdir / "reference.pt"
+    res = run([PYTHON, str(SCRIPT), *SMALL, *args, "--out", str(out)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def interrupted(workdir: Path, *args: str) -> tuple[Path, str]:
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    # 200 steps of at least 0.15 s; a 20 s cycle trains at most ~100 of them (its start
+    # imports torch and datasets): two never finish.
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--max-restarts", "40", "--",
+               PYTHON, str(SCRIPT), *SMALL, *args, "--step-sleep", "0.15", "--out", str(out)],
+              cwd=workdir, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
+    assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
+    return out, res.stderr
+
+
+def test_a_stream_with_a_state_resumes_without_reading_the_epoch_again_bit_identical(
+        workdir: Path):
+    expected = reference(workdir)
+    out, stderr = interrupted(workdir)
+    mid_epoch = [line for line in stderr.splitlines() if "resumed at batch" in line]
+    assert mid_epoch, stderr[-3000:]
+    assert all("restored the loader's own state (nothing read again)" in line
+               for line in mid_epoch), mid_epoch
+    assert "replay" not in stderr, stderr[-3000:]
+    assert_bit_identical(expected, out)
+
+
+def test_a_stream_without_a_state_is_replayed_with_an_estimate_and_stays_exact(
+        workdir: Path):
+    slow = ("--stateless", "--read-cost", "0.005")  # 5 ms a sample: seconds of replay
+    expected = reference(workdir, *slow)
+    out, stderr = interrupted(workdir, *slow)
+    estimates = [line for line in stderr.splitlines() if "replaying the" in line]
+    assert estimates, stderr[-3000:]
+    assert "batches/s; to resume without reading them again, give the data set state_dict()" \
+        in estimates[0], estimates
+    assert "replayed the" in stderr, stderr[-3000:]
+    assert_bit_identical(expected, out)

@@ -1,0 +1,153 @@
+"""procckpt.ShuffleBuffer: a stream shuffled through a buffer that is part of its state.
+
+Each test stops a loader after some batches, takes its state, and reads the rest with a new
+loader that loaded it, as a resumed process does; the two parts must be the uninterrupted
+order, batch for batch. Worker processes are real (torchdata's StatefulDataLoader collects
+their states); the Hugging Face streams read real JSON Lines and Parquet files."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from procckpt import ShuffleBuffer
+from procckpt.errors import ProcckptError
+from procckpt.training.position.loaders import stateful_source, usable_state
+
+needs_torchdata = pytest.mark.skipif(importlib.util.find_spec("torchdata") is None,
+                                     reason="torchdata is not installed (its "
+                                            "StatefulDataLoader collects workers' states)")
+needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None,
+                                    reason="Hugging Face datasets is not installed")
+
+
+class Counting(IterableDataset):
+    """Samples 0..n-1 split over the workers, with the count read so far as its state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.start = 0
+        self.done = 0
+
+    def __iter__(self):
+        info = get_worker_info()
+        mine = range(info.id, self.n, info.num_workers) if info else range(self.n)
+        self.done, start, self.start = self.start, self.start, 0
+        for sample in list(mine)[start:]:
+            self.done += 1
+            yield sample
+
+    def state_dict(self) -> dict[str, int]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["done"]
+
+
+def loader(data: Any, workers: int) -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(data, batch_size=4, num_workers=workers)
+
+
+def ids(batch: Any) -> list[int]:
+    return (batch["id"] if isinstance(batch, dict) else batch).tolist()
+
+
+def interrupted(make: Any, epoch: int, stop_after: int, workers: int) -> list[list[int]]:
+    """The epoch's batches, read in two processes' worth: ``stop_after`` batches, the state,
+    then the rest from a new data set and loader that loaded it."""
+    data = make()
+    data.set_epoch(epoch)
+    first_loader = loader(data, workers)
+    it = iter(first_loader)
+    first = [ids(next(it)) for _ in range(stop_after)]
+    state = first_loader.state_dict()
+    del it
+    saved = io.BytesIO()
+    torch.save(state, saved)  # as a checkpoint holds it
+    saved.seek(0)
+    data = make()
+    data.set_epoch(epoch)
+    second_loader = loader(data, workers)
+    second_loader.load_state_dict(torch.load(saved, weights_only=True))
+    return first + [ids(b) for b in second_loader]
+
+
+def whole(make: Any, epoch: int, workers: int) -> list[list[int]]:
+    data = make()
+    data.set_epoch(epoch)
+    return [ids(b) for b in loader(data, workers)]
+
+
+@needs_torchdata
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_resume_anywhere_in_the_epoch_goes_on_with_the_same_order(workers: int):
+    def make() -> ShuffleBuffer:
+        return ShuffleBuffer(Counting(200), size=16, seed=3)
+
+    for epoch in (0, 1):
+        expected = whole(make, epoch, workers)
+        assert sorted(sum(expected, [])) == list(range(200))  # each sample once
+        assert sum(expected, []) != list(range(200))  # shuffled
+        # Early, in the middle, and where the stream has ended and the buffer drains.
+        for stop_after in (1, 23, len(expected) - 2):
+            assert interrupted(make, epoch, stop_after, workers) == expected, (epoch, stop_after)
+    assert whole(make, 0, workers) != whole(make, 1, workers)  # each epoch its own order
+
+
+@needs_torchdata
+@needs_datasets
+@pytest.mark.parametrize("fmt", ["json", "parquet"])
+def test_a_hugging_face_stream_read_by_two_workers_resumes_exactly(tmp_path: Path, fmt: str):
+    import datasets
+
+    datasets.disable_progress_bars()
+    files = []
+    for f in range(4):
+        records = [{"id": f * 50 + r, "text": f"text {f * 50 + r}"} for r in range(50)]
+        path = tmp_path / f"part-{f}.{fmt}"
+        if fmt == "json":
+            path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist(records), path, row_group_size=10)
+        files.append(str(path))
+
+    def make() -> ShuffleBuffer:
+        stream = datasets.load_dataset(fmt, data_files=files, split="train", streaming=True)
+        stream = stream.map(lambda e: {"n": len(e["text"])}, remove_columns=["text"])
+        return ShuffleBuffer(stream.with_format("torch"), size=20, seed=0)
+
+    expected = whole(make, 1, workers=2)
+    assert sorted(sum(expected, [])) == list(range(200))
+    for stop_after in (3, 30):
+        assert interrupted(make, 1, stop_after, workers=2) == expected, stop_after
+
+
+def test_another_buffer_size_or_seed_or_data_set_is_refused_with_what_to_do():
+    saved = ShuffleBuffer(Counting(10), size=4, seed=0).state_dict()
+    with pytest.raises(ProcckptError, match="held 4 samples with seed 0, this one 8 with seed "
+                                            "0: an exact resume needs the same"):
+        ShuffleBuffer(Counting(10), size=8, seed=0).load_state_dict(saved)
+    with pytest.raises(ProcckptError, match="not saved by a ShuffleBuffer"):
+        ShuffleBuffer(Counting(10), size=4).load_state_dict({"done": 3})
+    with pytest.raises(ValueError, match="at least one sample"):
+        ShuffleBuffer(Counting(10), size=0)
+
+
+def test_a_source_without_state_makes_the_loader_one_to_replay():
+    plain = ShuffleBuffer(range(10), size=4)
+    with pytest.raises(ProcckptError, match="has no state_dict"):
+        plain.state_dict()
+    assert stateful_source(DataLoader(plain, batch_size=2)) is None
+    assert usable_state(ShuffleBuffer(Counting(10), size=4))
