@@ -221,13 +221,16 @@ def ledger_counts(ledger: Path, epoch: int) -> dict[int, int]:
     return counts
 
 
+@pytest.mark.parametrize("state", ["ddp", "fsdp"])
 @pytest.mark.parametrize("before,after", [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
 def test_another_world_size_trains_the_rest_of_the_epoch_each_sample_once(
-        workdir: Path, before: int, after: int):
+        workdir: Path, before: int, after: int, state: str):
+    """With ``fsdp`` the model and its AdamW state are sharded: DCP reshards them."""
     ledger, ckpt = workdir / "ledger", workdir / "ckpt"
     ledger.mkdir()
     n, batch_size = 240, 2
-    args = ["--samples", str(n), "--batch-size", str(batch_size), "--ledger", str(ledger)]
+    args = ["--samples", str(n), "--batch-size", str(batch_size), "--ledger", str(ledger),
+            *(["--fsdp"] if state == "fsdp" else [])]
     # The first allocation: stopped by its time limit in the middle of epoch 0, not restarted.
     first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
                  "5s", "--max-restarts", "0", "--",
@@ -251,3 +254,16 @@ def test_another_world_size_trains_the_rest_of_the_epoch_each_sample_once(
     assert ledger_counts(ledger, 1) == {i: 1 for i in range(n)}
     assert (f"resuming epoch 0 with {after} ranks from a checkpoint of {before}: the samples "
             f"of it not yet trained on (after the first {done} of its order)") in second.stderr
+    if state == "fsdp":  # the second run started from the weights the first one saved
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        newest = sorted((ckpt / "checkpoints").glob("ckpt-*"))
+        newest = [c for c in newest if c.name == saved["checkpoint"]][0]
+        dcp_to_torch_save(newest, workdir / "saved.pt")
+        weights = torch.load(workdir / "saved.pt", weights_only=True)["train"]["model"]
+        started = torch.load(ledger / "second-start.pt", weights_only=True)
+        assert weights.keys() == started.keys()
+        for key, value in weights.items():
+            assert torch.equal(value, started[key]), key
+        first_start = torch.load(ledger / "first-start.pt", weights_only=True)
+        assert any(not torch.equal(first_start[k], started[k]) for k in started)  # trained
