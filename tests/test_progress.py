@@ -154,3 +154,41 @@ def test_a_stream_with_its_own_state_resumes_by_it_reading_nothing_again(tmp_pat
         (skip,) = [e for e in read_events(tmp_path / "b" / "events.jsonl")
                    if e["event"] == "resume-skip"]
         assert skip["how"] == "restored the data set's own state (nothing read again)"
+
+
+def run_ahead(d: Path, stop_after: int | None = None) -> list:
+    """run_stream's two epochs driven as a framework drives them (DrivenLoop): the next batch
+    is fetched before the one in hand is trained on and its safe point passed."""
+    from procckpt.training.driven import DrivenLoop
+
+    torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(Stream(12), batch_size=3)
+    ckpt = Checkpointer(d, model=torch.nn.Linear(2, 2), async_save=False)
+    loop, seen = DrivenLoop(ckpt), []
+    for epoch in range(ckpt.epoch, 2):
+        batches = loop.open(loader, epoch)
+        ahead = next(batches, None)
+        while ahead is not None:
+            batch, ahead = ahead, next(batches, None)
+            if stop_after is not None and len(seen) == stop_after:
+                ckpt.close()
+                return seen
+            seen.append(batch)
+            if len(seen) == stop_after:
+                ckpt.request_checkpoint()
+            loop.batch_done()
+    loop.finish()
+    return seen
+
+
+def test_a_stream_fetched_ahead_is_saved_as_it_was_after_the_batches_trained_on(
+        tmp_path: Path):
+    """The samples, that is: a random transform drawn in this process while it fetches
+    ahead draws from the streams a checkpoint saves (Stream's are), which is another matter
+    (loaders.open_at's isolated loads, for map-style data)."""
+    whole = run_ahead(tmp_path / "a")
+    first = run_ahead(tmp_path / "b", 6)
+    rest = run_ahead(tmp_path / "b")
+    assert len(whole) == 8 and len(first) == 6
+    samples = [batch.floor().flatten().tolist() for batch in whole]
+    assert [batch.floor().flatten().tolist() for batch in first + rest] == samples

@@ -29,7 +29,8 @@ needs_datasets = pytest.mark.skipif(importlib.util.find_spec("datasets") is None
 
 
 class Counting(IterableDataset):
-    """Samples 0..n-1 split over the workers, with the count read so far as its state."""
+    """Samples 0..n-1 split over the workers, with the count read so far as its state. Like a
+    Hugging Face stream, a loaded state takes effect when its next pass begins reading."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -48,7 +49,7 @@ class Counting(IterableDataset):
         return {"done": self.done}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["done"]
+        self.start = state["done"]  # taken when the next pass begins, as Hugging Face's are
 
 
 def loader(data: Any, workers: int) -> Any:
@@ -151,3 +152,28 @@ def test_a_source_without_state_makes_the_loader_one_to_replay():
         plain.state_dict()
     assert stateful_source(DataLoader(plain, batch_size=2)) is None
     assert usable_state(ShuffleBuffer(Counting(10), size=4))
+
+
+@needs_torchdata
+def test_a_second_resume_one_batch_after_the_first_is_exact_too():
+    """One batch after a resume, one worker has handed out nothing yet: the state it reports
+    is the one it loaded, which must still hold its buffer."""
+    def make() -> ShuffleBuffer:
+        return ShuffleBuffer(Counting(200), size=16, seed=3)
+
+    expected = whole(make, 0, workers=2)
+    first = loader(make(), 2)
+    it = iter(first)
+    got = [ids(next(it)) for _ in range(10)]
+    state = first.state_dict()
+    del it
+    second = loader(make(), 2)
+    second.load_state_dict(state)
+    it = iter(second)
+    got.append(ids(next(it)))
+    state = second.state_dict()
+    del it
+    third = loader(make(), 2)
+    third.load_state_dict(state)
+    got += [ids(b) for b in third]
+    assert got == expected

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 from .test_frameworks import events
 
 SCRIPT = EXAMPLES / "streaming_train.py"
@@ -71,3 +71,38 @@ def test_a_stream_without_a_state_is_replayed_with_an_estimate_and_stays_exact(
         in estimates[0], estimates
     assert "replayed the" in stderr, stderr[-3000:]
     assert_bit_identical(expected, out)
+
+
+FRAMEWORKS = PROGRAMS / "stream_frameworks.py"
+
+
+def test_a_stream_through_accelerate_resumes_by_its_state_bit_identical(workdir: Path):
+    """Accelerate's prepared loader over a StatefulDataLoader (use_stateful_dataloader): it
+    opens the loader it holds only when asked for its first batch, and fetches one ahead."""
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    args = ("--framework", "accelerate")
+    expected = workdir / "reference.pt"
+    ref = run([PYTHON, str(FRAMEWORKS), *args, "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--max-restarts", "40", "--",
+               PYTHON, str(FRAMEWORKS), *args, "--step-sleep", "0.15", "--out", str(out)],
+              cwd=workdir, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    mid_epoch = [line for line in res.stderr.splitlines() if "resumed at batch" in line]
+    assert len(mid_epoch) >= 2, res.stderr[-3000:]
+    assert all("restored the loader's own state" in line for line in mid_epoch), mid_epoch
+    assert_bit_identical(expected, out)
+
+
+def test_lightning_with_a_stream_says_its_resume_is_not_exact_yet(workdir: Path):
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    res = run([PYTHON, str(FRAMEWORKS), "--framework", "lightning", "--epochs", "1"],
+              cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "ckpt")}, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "a resume in the middle of an epoch is not exact yet under ProcckptCallback" \
+        in res.stderr, res.stderr[-3000:]

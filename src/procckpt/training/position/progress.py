@@ -21,6 +21,8 @@ torch's global one; its state is saved beside the global streams and restored wi
 from __future__ import annotations
 
 import dis
+import inspect
+import itertools
 import logging
 import random
 import time
@@ -86,6 +88,7 @@ class Progress:
         self._resume_shape: dict[str, Any] | None = None
         self.loader_shape: dict[str, Any] | None = None
         self._stateful_loader: Any = None
+        self._state_trail: _StateTrail | None = None
         #: The global random streams right after a resume, until the first loop checks them.
         self.streams_at_resume: tuple[Any, ...] | None = None
         #: ``steps()`` without ``epochs()``: an iteration-based loop, counted by step only.
@@ -105,7 +108,9 @@ class Progress:
         rng["loader_generators"] = generator_states(self._loader_generators)
         state: dict[str, Any] = {"rng": rng, "epoch_rng": self._epoch_rng if self.batch else None}
         if self._stateful_loader is not None:  # its own position, and its epoch count
-            state["loader_state"] = self._stateful_loader.state_dict()
+            trail = self._state_trail
+            state["loader_state"] = (trail.state_after(self.batch) if trail is not None
+                                     else self._stateful_loader.state_dict())
         return state
 
     def resume(self, progress: dict[str, Any], rng: dict[str, Any],
@@ -221,6 +226,11 @@ class Progress:
         if stateful is not None and self._resume_loader_state is not None:
             stateful.load_state_dict(self._resume_loader_state)
             iterator = iter(loader)
+            if inspect.isgenerator(iterator):
+                # A wrapper (Accelerate's DataLoaderShard) opens the loader it holds, drawing
+                # its workers' seed from the streams, only when its first batch is asked for:
+                # here, from the epoch's streams, as in the uninterrupted run.
+                iterator = itertools.chain([next(iterator)], iterator)
             how = ("restored the loader's own state (nothing read again)" if stateful is loader
                    else "restored the data set's own state (nothing read again)")
         else:
@@ -250,6 +260,9 @@ class Progress:
             logger.info("resumed at batch %d of epoch %d: %s (%.2fs)", skip, self.epoch, how,
                         seconds)
         self.batch = skip
+        self._state_trail = None
+        if stateful is not None:
+            iterator = self._state_trail = _StateTrail(iterator, stateful, skip, self)
         return iterator
 
     def open_range(self, total: int) -> range:
@@ -337,3 +350,35 @@ def _left_by_break(frame: FrameType) -> bool:
         return dis.opname[frame.f_code.co_code[frame.f_lasti]] == "POP_TOP"
     except (IndexError, ValueError):
         return True  # cannot tell: say it
+
+
+class _StateTrail:
+    """An iterator over a loader with its own state that keeps the state after each batch
+    handed out but not yet trained on. A framework that fetches a batch ahead (Lightning)
+    has the loader past the batch it trains when a checkpoint is taken; the checkpoint
+    must hold the state after the batches trained on, or a resume skips the one fetched."""
+
+    def __init__(self, inner: Iterator[Any], stateful: Any, handed_out: int,
+                 progress: Progress) -> None:
+        self._inner, self._stateful, self._progress = inner, stateful, progress
+        self._handed_out = handed_out
+        self._after: dict[int, Any] = {}  # batches handed out -> the state then
+
+    def __iter__(self) -> _StateTrail:
+        return self
+
+    def __next__(self) -> Any:
+        trained = self._progress.batch
+        if trained < self._handed_out:  # the last batch is not trained yet: keep its state
+            self._after[self._handed_out] = self._stateful.state_dict()
+        for older in [n for n in self._after if n < trained]:
+            del self._after[older]
+        batch = next(self._inner)
+        self._handed_out += 1
+        return batch
+
+    def state_after(self, trained: int) -> Any:
+        """The loader's state after the first ``trained`` batches of the epoch."""
+        if trained in self._after:
+            return self._after[trained]
+        return self._stateful.state_dict()

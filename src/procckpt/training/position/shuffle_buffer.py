@@ -55,6 +55,9 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         self._generator: torch.Generator | None = None
         #: A loaded state, taken by the next iteration.
         self._restored: dict[str, Any] | None = None
+        #: The loaded source state, until the source hands out its first sample since: a
+        #: stream (Hugging Face's) takes a loaded state only when it begins reading.
+        self._source_loaded: Any = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -67,8 +70,10 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         if restored is not None:
             self._buffer = list(restored["buffer"])
             generator.set_state(restored["rng"])
+            self._source_loaded = restored["source"]
         else:
             self._buffer = []
+            self._source_loaded = None
             generator.manual_seed(_seed(self.seed, self.epoch, _worker_id()))
         self._generator = generator
         return self._shuffled(self._buffer, generator)
@@ -77,6 +82,7 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         # The state is read between two samples handed out, when ``buffer`` holds what the
         # next ones are drawn from and the source is just past what went into it.
         for sample in self.source:
+            self._source_loaded = None
             if len(buffer) < self.size:
                 buffer.append(sample)
                 continue
@@ -91,6 +97,8 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
     def state_dict(self) -> dict[str, Any]:
         """The source's state, the samples in the buffer and the random stream, as they are
         after the last sample handed out."""
+        if self._restored is not None:  # loaded, not yet iterated: still that state
+            return self._restored
         save = getattr(self.source, "state_dict", None)
         if not callable(save):
             raise ProcckptError(
@@ -98,8 +106,9 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
                 "its position cannot be saved, so a resume reads it again from the start")
         generator = self._generator or torch.Generator().manual_seed(
             _seed(self.seed, self.epoch, _worker_id()))
+        source = self._source_loaded if self._source_loaded is not None else save()
         return {"kind": _KIND, "size": self.size, "seed": self.seed, "epoch": self.epoch,
-                "source": save(), "buffer": list(self._buffer), "rng": generator.get_state()}
+                "source": source, "buffer": list(self._buffer), "rng": generator.get_state()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` at the next iteration."""

@@ -1,0 +1,113 @@
+"""examples/streaming_train.py's stream (Hugging Face ``datasets`` over local JSON Lines files,
+``procckpt.ShuffleBuffer``, a StatefulDataLoader with 2 workers) trained through a framework:
+``--framework accelerate`` (the loader prepared with ``use_stateful_dataloader``, then
+``ckpt.batches()``) or ``lightning`` (``ProcckptCallback``: not exact yet, it says so). Writes
+the final weights to ``--out``; prints "step N" and the batch's first ids after each step."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
+import streaming_train as example  # noqa: E402
+
+import procckpt  # noqa: E402
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.EmbeddingBag(example.VOCAB, 32), nn.Dropout(0.2), nn.Linear(32, 2))
+
+
+def data_and_loader(args: argparse.Namespace) -> tuple[procckpt.ShuffleBuffer, object]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    folder = Path(args.data)
+    if not folder.exists():
+        example.make_data(folder, args.files, args.rows, parquet=False)
+    data = procckpt.ShuffleBuffer(example.streamed(sorted(folder.glob("*.jsonl")), False),
+                                  size=32, seed=0)
+    return data, StatefulDataLoader(data, batch_size=8, num_workers=2)
+
+
+def with_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    import lightning as L
+
+    from procckpt.integrations.lightning import ProcckptCallback
+
+    data, loader = data_and_loader(args)
+
+    class Classifier(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model()
+
+        def on_train_epoch_start(self) -> None:
+            data.set_epoch(self.current_epoch)
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.cross_entropy(self.net(batch["tokens"]), batch["label"])
+            time.sleep(args.step_sleep)
+            print(f"step {self.trainer.global_step + 1} ids {batch['id'][:3].tolist()}",
+                  flush=True)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    classifier = Classifier()
+    cb = ProcckptCallback()
+    trainer = L.Trainer(max_epochs=args.epochs, accelerator="cpu", callbacks=[cb],
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(classifier, loader, ckpt_path=cb.resume_from)
+    return classifier.net.state_dict()
+
+
+def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
+        use_stateful_dataloader=True))
+    net = model()
+    optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
+    data, loader = data_and_loader(args)
+    net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
+    ckpt = procckpt.Checkpointer(model=net, optimizer=optimizer)
+    for epoch in ckpt.epochs(args.epochs):
+        data.set_epoch(epoch)
+        for batch in ckpt.batches(loader):
+            loss = nn.functional.cross_entropy(net(batch["tokens"]), batch["label"])
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(args.step_sleep)
+            print(f"step {ckpt.step + 1} ids {batch['id'][:3].tolist()}", flush=True)
+    return accelerator.unwrap_model(net).state_dict()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--framework", choices=["lightning", "accelerate"], required=True)
+    parser.add_argument("--data", default="data")
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=100)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--step-sleep", type=float, default=0.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    train = with_lightning if args.framework == "lightning" else with_accelerate
+    weights = train(args)
+    if args.out:
+        torch.save({k: v.detach().cpu() for k, v in weights.items()}, args.out)
+
+
+if __name__ == "__main__":
+    main()
