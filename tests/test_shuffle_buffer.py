@@ -177,3 +177,40 @@ def test_a_second_resume_one_batch_after_the_first_is_exact_too():
     third.load_state_dict(state)
     got += [ids(b) for b in third]
     assert got == expected
+
+
+class EpochCounting(Counting):
+    """Counting whose pass reads its samples in an order given by the epoch (set_epoch), and
+    whose state does not say the epoch (Hugging Face's loads no epoch back)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for sample in super().__iter__():
+            yield (sample * (2 * self.epoch + 1)) % self.n  # odd factor: each sample once
+
+
+@needs_torchdata
+def test_a_resume_opened_before_the_script_sets_the_epoch_goes_on_in_the_saved_one():
+    """Lightning opens the training loader of a resumed epoch before the hook where a script
+    calls set_epoch(): the workers get a data set still at epoch 0."""
+    def make() -> ShuffleBuffer:
+        return ShuffleBuffer(EpochCounting(200), size=16, seed=3)
+
+    expected = whole(make, 1, workers=2)
+    data = make()
+    data.set_epoch(1)
+    first = loader(data, 2)
+    it = iter(first)
+    got = [ids(next(it)) for _ in range(10)]
+    state = first.state_dict()
+    del it
+    second = loader(make(), 2)  # no set_epoch(1) before it is opened
+    second.load_state_dict(state)
+    got += [ids(b) for b in second]
+    assert got == expected

@@ -39,7 +39,7 @@ except ImportError:  # the older package name
         raise ImportError("procckpt.integrations.lightning needs Lightning: "
                           "pip install 'procckpt[lightning]'") from e
 
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from ..errors import ProcckptError
 from ..store import PendingCheckpoint
@@ -47,7 +47,6 @@ from ..training.checkpointer import Checkpointer
 from ..training.distributed import Sharded
 from ..training.driven import DrivenLoop, kept_apart, positioned
 from ..training.payload import PAYLOAD
-from ..training.position.loaders import usable_state
 from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
@@ -243,12 +242,6 @@ def _position_train_loader(trainer: pl.Trainer, loop: DrivenLoop) -> None:
         dataloader = process(dataloader)
         if isinstance(dataloader, DataLoader):
             if trainer.training:
-                if isinstance(dataloader.dataset, IterableDataset) and usable_state(dataloader):
-                    logger.warning(
-                        "the training loader keeps its own state over an IterableDataset (a "
-                        "stream): Lightning restores such a loader's state itself, and a "
-                        "resume in the middle of an epoch is not exact yet under "
-                        "ProcckptCallback; a plain loop or Accelerate with ckpt.batches() is")
                 positioned(dataloader, loop, lambda: trainer.current_epoch)
             elif trainer.state.fn == "fit":  # validation between training batches
                 kept_apart(dataloader)

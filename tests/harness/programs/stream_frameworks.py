@@ -1,8 +1,9 @@
 """examples/streaming_train.py's stream (Hugging Face ``datasets`` over local JSON Lines files,
 ``procckpt.ShuffleBuffer``, a StatefulDataLoader with 2 workers) trained through a framework:
 ``--framework accelerate`` (the loader prepared with ``use_stateful_dataloader``, then
-``ckpt.batches()``) or ``lightning`` (``ProcckptCallback``: not exact yet, it says so). Writes
-the final weights to ``--out``; prints "step N" and the batch's first ids after each step."""
+``ckpt.batches()``) or ``lightning`` (``ProcckptCallback``; the data set's epoch set in
+``on_train_epoch_start``). Writes the final weights to ``--out``; prints "step N" and the
+batch's first ids after each step."""
 
 from __future__ import annotations
 

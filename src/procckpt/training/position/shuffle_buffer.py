@@ -120,8 +120,10 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
                 f"the checkpoint's shuffle buffer held {state['size']} samples with seed "
                 f"{state['seed']}, this one {self.size} with seed {self.seed}: an exact "
                 "resume needs the same; change them in a new checkpoint dir")
+        # The epoch first: a loader may be opened (its workers given a copy of this data set)
+        # before the script's set_epoch() for that epoch (Lightning's is in a hook after).
+        self.set_epoch(state["epoch"])
         self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
-        self.epoch = state["epoch"]
         self._restored = state
 
 
