@@ -134,3 +134,17 @@ def test_a_new_cycle_starts_with_an_empty_image_dir(engine: DmtcpEngine):
     engine.port_file.write_text("7779")
     engine._reset_work_dir()
     assert list(engine.images.iterdir()) == [] and not engine.port_file.exists()
+
+
+def test_one_stalled_image_is_passing_and_two_in_a_row_are_the_failure_that_repeats():
+    from procckpt.launcher.engines.dmtcp.forks import StuckImages
+
+    stuck = StuckImages()
+    assert not stuck.stalled(16.0, 2) and stuck.message is None  # a short-lived child, maybe
+    stuck.completed()  # the next cycle's image was complete
+    assert not stuck.stalled(16.0, 2) and stuck.message is None
+    assert stuck.stalled(17.0, 2)
+    assert stuck.message is not None
+    assert stuck.message.startswith("DMTCP could not checkpoint the command (twice in a row no "
+                                    "byte of its image written for 15s, the last 17s after")
+    assert "DataLoader workers, or a child it started?" in stuck.message

@@ -335,10 +335,12 @@ class DmtcpEngine(Engine):
             names, write_seconds = written
             if len(names) > 1 and not self._warned_processes:
                 self._warned_processes = True
-                logger.warning("dmtcp: the command runs as %d processes (DataLoader workers?); "
+                logger.warning("dmtcp: the command runs as %d processes (DataLoader workers, or "
+                               "a child it started?); "
                                "DMTCP 4.2 did not restore such programs correctly in our tests "
                                "(docs/dmtcp.md): use DataLoader(num_workers=0) under DMTCP, or "
                                "the hooks engine", len(names))
+            self.stuck_images.completed()
             job.committing = True
             info = self._commit(names, job, write_seconds, cycle)
         except Exception as e:  # a failed checkpoint must not kill the supervisor
@@ -404,9 +406,13 @@ class DmtcpEngine(Engine):
     def _stalled(self, cycle: Cycle, job: Job, waited: float) -> None:
         """An image stopped growing before it was complete: end the cycle (the command is
         frozen in DMTCP's checkpoint); the supervisor then says why."""
-        self.stuck_images.stalled(waited, cycle.coordinator.peers)
-        logger.error("dmtcp: no byte of the image written for %.0fs; stopping the command",
-                     STALL_S)
+        if self.stuck_images.stalled(waited, cycle.coordinator.peers):
+            logger.error("dmtcp: no byte of the image written for %.0fs, for the second time "
+                         "in a row; stopping the command", STALL_S)
+        else:
+            logger.warning("dmtcp: no byte of the image written for %.0fs; stopping the "
+                           "command, to go on from the last image (a second time in a row "
+                           "ends the run)", STALL_S)
         append_event(self.store.events_path, "image-stuck", seconds=round(waited, 3),
                      processes=cycle.coordinator.peers, wrote=job.wrote)
         cycle.kill()

@@ -40,10 +40,10 @@ def fork_safe_env(environ: Mapping[str, str]) -> dict[str, str]:
 def stuck_message(what: str, processes: int) -> str:
     """Why DMTCP cannot checkpoint this command, and the ways out, in one line."""
     if processes > 1:
-        why = (f"the command runs {processes} processes (DataLoader workers?), and DMTCP 4.2 "
-               "does not complete images of PyTorch programs with worker processes. Ways out: "
-               "DataLoader(num_workers=0), or --engine hooks (procckpt.Checkpointer in the "
-               "script)")
+        why = (f"the command runs {processes} processes (DataLoader workers, or a child it "
+               "started?), and DMTCP 4.2 does not complete images of PyTorch programs with "
+               "worker processes. Ways out: DataLoader(num_workers=0), or --engine hooks "
+               "(procckpt.Checkpointer in the script)")
     else:
         why = ("the command is likely stuck in a fork under threads of a library other than "
                "NumPy's OpenBLAS (procckpt sets OPENBLAS_NUM_THREADS=1 unless it is set). Ways "
@@ -58,12 +58,24 @@ class StuckImages:
         #: Why no image will complete (a failure that repeats), once seen; else None.
         self.message: str | None = None
         self._unstarted = 0  # cycles in a row killed before their stop image began
+        self._stalls = 0  # images in a row that stopped growing
 
-    def stalled(self, waited: float, processes: int) -> None:
-        """An image stopped growing for :data:`STALL_S` before it was complete."""
+    def stalled(self, waited: float, processes: int) -> bool:
+        """An image stopped growing for :data:`STALL_S` before it was complete. Twice in a
+        row, no image will: once may be a request that met a short-lived child process
+        (a ``subprocess.run`` under way), and the next cycle, restarted from the last image,
+        takes its images as before. Returns whether it repeats."""
+        self._stalls += 1
+        if self._stalls < 2:
+            return False
         self.message = stuck_message(
-            f"no byte of its image written for {STALL_S:.0f}s, {waited:.0f}s after the request",
-            processes)
+            f"twice in a row no byte of its image written for {STALL_S:.0f}s, the last "
+            f"{waited:.0f}s after the request", processes)
+        return True
+
+    def completed(self) -> None:
+        """An image was complete: the stalls before it were passing ones."""
+        self._stalls = 0
 
     def stop_ended(self, confirmed: bool, wrote: bool, sent_at: float | None, over_at: float,
                    processes: int) -> None:
