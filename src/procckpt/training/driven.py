@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from ..errors import ProcckptError, logged_exit
 from .position.loaders import SeededSamples, streams_kept, swapped
@@ -101,11 +101,15 @@ class DrivenLoop:
 
 
 def _tell_samplers(loader: object, epoch: int) -> None:
-    """Give the loader's samplers the epoch (a ``DistributedSampler`` shuffles by it). The
-    framework does so too, but on a resume only after it opened the loader."""
+    """Give the loader's samplers, and a stream it reads, the epoch (a ``DistributedSampler``
+    and a ``ShuffleBuffer`` shuffle by it). The framework does so too, but on a resume only
+    after it opened the loader, or with its own count (the Trainer starts a stream's count
+    again at 0 in a resumed process)."""
     batch_sampler = getattr(loader, "batch_sampler", None)
+    dataset = getattr(loader, "dataset", None)
+    stream = dataset if isinstance(dataset, IterableDataset) else None
     for sampler in (getattr(loader, "sampler", None), batch_sampler,
-                    getattr(batch_sampler, "sampler", None)):
+                    getattr(batch_sampler, "sampler", None), stream):
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)

@@ -1,8 +1,9 @@
 """examples/streaming_train.py's stream (Hugging Face ``datasets`` over local JSON Lines files,
 ``procckpt.ShuffleBuffer``, a StatefulDataLoader with 2 workers) trained through a framework:
 ``--framework accelerate`` (the loader prepared with ``use_stateful_dataloader``, then
-``ckpt.batches()``) or ``lightning`` (``ProcckptCallback``; the data set's epoch set in
-``on_train_epoch_start``). Writes the final weights to ``--out``; prints "step N" and the
+``ckpt.batches()``), ``lightning`` (``ProcckptCallback``; the data set's epoch set in
+``on_train_epoch_start``) or ``trainer`` (the Hugging Face Trainer's own DataLoader with 2
+workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the final weights to ``--out``; prints "step N" and the
 batch's first ids after each step."""
 
 from __future__ import annotations
@@ -94,9 +95,47 @@ def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return accelerator.unwrap_model(net).state_dict()
 
 
+def with_trainer(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from procckpt.integrations.transformers import ProcckptCallback
+
+    folder = Path(args.data)
+    if not folder.exists():
+        example.make_data(folder, args.files, args.rows, parquet=False)
+    data = procckpt.ShuffleBuffer(example.streamed(sorted(folder.glob("*.jsonl")), False),
+                                  size=32, seed=0)
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model()
+
+        def forward(self, tokens, labels, id=None):  # the Trainer's collator says "labels"
+            return {"loss": nn.functional.cross_entropy(self.net(tokens), labels)}
+
+    class Steps(TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            time.sleep(args.step_sleep)
+            print(f"step {state.global_step}", flush=True)
+
+    classifier = Classifier()
+    training = TrainingArguments(
+        output_dir="hf-output", per_device_train_batch_size=8,
+        max_steps=args.epochs * args.files * args.rows // 8, learning_rate=3e-3,
+        save_strategy="no", logging_strategy="no", report_to=[], seed=0, use_cpu=True,
+        dataloader_num_workers=2, remove_unused_columns=False, disable_tqdm=True)
+    cb = ProcckptCallback()
+    trainer = Trainer(model=classifier, args=training, train_dataset=data,
+                      callbacks=[cb, Steps()])
+    trainer.train(resume_from_checkpoint=cb.resume_from)
+    return classifier.net.state_dict()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--framework", choices=["lightning", "accelerate"], required=True)
+    parser.add_argument("--framework", choices=["lightning", "accelerate", "trainer"],
+                        required=True)
     parser.add_argument("--data", default="data")
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--rows", type=int, default=100)
@@ -104,7 +143,8 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    train = with_lightning if args.framework == "lightning" else with_accelerate
+    train = {"lightning": with_lightning, "accelerate": with_accelerate,
+             "trainer": with_trainer}[args.framework]
     weights = train(args)
     if args.out:
         torch.save({k: v.detach().cpu() for k, v in weights.items()}, args.out)
