@@ -137,7 +137,7 @@ class _TrainerState:
         if not self._sharded:
             return _plain(dump(weights_only=False))
         # The model's and the optimizers' states are _LightningShards': not gathered here.
-        with _overridden(self._trainer.strategy, lightning_module_state_dict=dict,
+        with _overridden(self._trainer.strategy, lightning_module_state_dict=lambda: {},
                          optimizer_state=lambda optimizer: {}):
             state = dump(weights_only=False)
         del state["state_dict"], state["optimizer_states"]

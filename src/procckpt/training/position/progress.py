@@ -35,7 +35,7 @@ import torch
 
 from ...protocol.events import append_event
 from .loaders import (align_epoch, check_loader, loader_generators, open_at, stateful_source,
-                      swapped)
+                      swapped, wraps_a_loader)
 from .resplit import BEFORE, remainder_batches
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .shape import loader_shape, map_position
@@ -226,10 +226,12 @@ class Progress:
         if stateful is not None and self._resume_loader_state is not None:
             stateful.load_state_dict(self._resume_loader_state)
             iterator = iter(loader)
-            if inspect.isgenerator(iterator):
-                # A wrapper (Accelerate's DataLoaderShard) opens the loader it holds, drawing
-                # its workers' seed from the streams, only when its first batch is asked for:
-                # here, from the epoch's streams, as in the uninterrupted run.
+            if wraps_a_loader(loader) and inspect.isgenerator(iterator):
+                # A wrapper (Accelerate's DataLoaderShard) opens the DataLoader it holds,
+                # drawing its workers' seed from the streams, only when its first batch is
+                # asked for: here, from the epoch's streams, as in the uninterrupted run. (A
+                # script's own stateful iterator is left lazy: it may load its samples, and
+                # draw for them, when each batch is asked for, as it did before the stop.)
                 iterator = itertools.chain([next(iterator)], iterator)
             how = ("restored the loader's own state (nothing read again)" if stateful is loader
                    else "restored the data set's own state (nothing read again)")
