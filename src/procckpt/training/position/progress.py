@@ -87,7 +87,7 @@ class Progress:
         #: and of the one in use now: a resume compares them (loaders.map_position).
         self._resume_shape: dict[str, Any] | None = None
         self.loader_shape: dict[str, Any] | None = None
-        self._stateful_loader: Any = None
+        #: A loader with its own state, as iterated: its state after the batches trained on.
         self._state_trail: _StateTrail | None = None
         #: The global random streams right after a resume, until the first loop checks them.
         self.streams_at_resume: tuple[Any, ...] | None = None
@@ -107,10 +107,8 @@ class Progress:
         rng = capture_rng()
         rng["loader_generators"] = generator_states(self._loader_generators)
         state: dict[str, Any] = {"rng": rng, "epoch_rng": self._epoch_rng if self.batch else None}
-        if self._stateful_loader is not None:  # its own position, and its epoch count
-            trail = self._state_trail
-            state["loader_state"] = (trail.state_after(self.batch) if trail is not None
-                                     else self._stateful_loader.state_dict())
+        if self._state_trail is not None:  # a loader's own position, and its epoch count
+            state["loader_state"] = self._state_trail.state_after(self.batch)
         return state
 
     def resume(self, progress: dict[str, Any], rng: dict[str, Any],
@@ -219,7 +217,6 @@ class Progress:
         self._loader_generators = generators
         self._epoch_used_batches = True
         stateful = stateful_source(loader)
-        self._stateful_loader = stateful
         shape, saved_shape, self._resume_shape = loader_shape(loader), self._resume_shape, None
         self.loader_shape = shape
         started = time.monotonic()
