@@ -58,6 +58,8 @@ BENCHMARKS = (
               ("--cycles", "20", "--repeats", "1")),
     Benchmark("compile_restart", "A torch.compile'd model after a restart",
               ("--cycles", "3", "--time-limit", "60"), ("--cycles", "1", "--time-limit", "20")),
+    Benchmark("frozen_base", "Frozen weights written once: 95% frozen, and nothing frozen",
+              ("--size", "1GiB", "--repeats", "5"), ("--size", "32MiB", "--repeats", "1")),
     Benchmark("dmtcp_images", "DMTCP's process images against a raw write", (),
               ("--mb", "8", "--reps", "1"), needs="dmtcp"),
     Benchmark("gpu_checkpoint", "GPU-resident state, beside DCP async_save, 1 GiB",

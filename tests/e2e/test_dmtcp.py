@@ -98,9 +98,10 @@ def test_plain_loop_continues_from_its_image_across_time_limits(workdir: Path):
     rows = [line.split() for line in status.stdout.splitlines() if line.startswith("ckpt-")]
     assert len(rows) == 2, status.stdout  # --keep 2: the older images were deleted
     for row in rows:
-        # CHECKPOINT STEP EPOCH SIZE(2 words) WRITE AGE ENGINE REASON VALID
+        # CHECKPOINT STEP EPOCH SIZE(2 words) WRITTEN(2 words) WRITE AGE ENGINE REASON VALID
         assert row[4] == "MB" and float(row[3]) > 16, status.stdout
-        assert re.fullmatch(r"\d+\.\ds", row[5]) and row[7:] == ["dmtcp", "deadline", "yes"]
+        assert row[5:7] == row[3:5], status.stdout  # an image is written whole
+        assert re.fullmatch(r"\d+\.\ds", row[7]) and row[9:] == ["dmtcp", "deadline", "yes"]
 
 
 @pytest.mark.slow

@@ -66,13 +66,14 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         lines += _goodput_lines(goodput)
     if (damage := damaged_journal(store)) is not None:
         lines.append(f"journal:        {damage}")
-    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITE", "AGE", "ENGINE", "REASON", "VALID")]
+    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "WRITTEN", "WRITE", "AGE", "ENGINE", "REASON",
+             "VALID")]
     for c in _checkpoints(store, history, verify):
         write = c["write_seconds"]
         valid = "corrupt" if c["corrupt"] else "?" if c["valid"] is None else \
             "yes" if c["valid"] else f"NO: {c['problem']}"
         rows.append((c["name"], _dash(c["step"]), _dash(c["epoch"]), format_size(c["bytes"]),
-                     "-" if write is None else f"{write:.1f}s",
+                     format_size(c["written"]), "-" if write is None else f"{write:.1f}s",
                      "-" if c["time"] is None else format_duration(now - c["time"]),
                      _dash(c["engine"]), _dash(c["reason"]), valid))
     if len(rows) == 1:
@@ -193,9 +194,13 @@ def _checkpoints(store: CheckpointStore, history: list[dict[str, Any]], verify: 
             except CheckpointReadError as e:
                 problem = f"unreadable ({e.__cause__ or e})"
             valid = problem is None
+        # SIZE is the state's (its files and the chunks it lists), WRITTEN what writing it
+        # cost (chunks an earlier checkpoint stored are not written again).
+        size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values()) + \
+            sum(int(n) for n in (manifest.get("chunks") or {}).values())
         out.append({
             "name": path.name, "step": manifest.get("step"), "epoch": manifest.get("epoch"),
-            "bytes": sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values()),
+            "bytes": size, "written": int(manifest.get("written", size)),
             "write_seconds": manifest.get("write_seconds", took.get(path.name)),
             "time": manifest.get("time"), "engine": manifest.get("engine"),
             "reason": manifest.get("reason"), "corrupt": corrupt, "valid": valid,

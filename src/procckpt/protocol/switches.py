@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..errors import UsageError
 
-__all__ = ["Switch", "ASYNC", "OVERLAP", "DIRECT_IO", "TRAINING_SWITCHES"]
+__all__ = ["Switch", "ASYNC", "OVERLAP", "DIRECT_IO", "FROZEN_ONCE", "TRAINING_SWITCHES"]
 
 _ON = ("", "1", "true", "yes", "on")  # unset is on: every switch here defaults to on
 _OFF = ("0", "false", "no", "off")
@@ -42,5 +42,7 @@ OVERLAP = Switch("PROCCKPT_OVERLAP", on="copy GPU state beside the next forward 
                  off="wait for the whole copy at the safe point")
 DIRECT_IO = Switch("PROCCKPT_DIRECT_IO", on="write checkpoint files around the page cache "
                    "where the file system allows", off="write them through the page cache")
+FROZEN_ONCE = Switch("PROCCKPT_FROZEN_ONCE", on="store frozen parameters once, in chunks "
+                     "that checkpoints share", off="write them into every checkpoint")
 #: What the launcher checks before it starts the command.
-TRAINING_SWITCHES = (ASYNC, OVERLAP, DIRECT_IO)
+TRAINING_SWITCHES = (ASYNC, OVERLAP, DIRECT_IO, FROZEN_ONCE)

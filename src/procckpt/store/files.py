@@ -21,7 +21,8 @@ from ..errors import CheckpointReadError, StorageError
 from .checksum import crc32 as checksum_crc32
 
 __all__ = ["fsync_dir", "plain_name", "read_small_file", "open_new_file", "lasting_write_error",
-           "read_with_retries", "write_file_atomic", "ChecksumWriter", "file_crc32", "READ_RETRY_PAUSES"]
+           "read_with_retries", "write_file_atomic", "ChecksumWriter", "file_crc32", "READ_RETRY_PAUSES",
+           "format_size", "modified"]
 
 logger = logging.getLogger(__name__)
 
@@ -198,3 +199,20 @@ def file_crc32(path: Path) -> tuple[int, int]:
             crc = checksum_crc32(view[:n], crc)
             size += n
     return crc, size
+
+
+def format_size(n: float) -> str:
+    """A byte count as people read it: ``512 B``, ``18.6 KB``, ``1.5 GB`` (powers of 1000)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def modified(path: Path) -> float:
+    """``path``'s modification time; 0 when it is gone (another cleaner took it)."""
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return 0.0

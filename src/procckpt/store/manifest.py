@@ -1,7 +1,8 @@
 """What a checkpoint's manifest holds, and the checks a manifest read from disk must pass.
 
 ``MANIFEST.json`` is written last in a checkpoint: sizes and CRC-32 of every payload file,
-and the engine's metadata (step, epoch, world size, DMTCP images).
+the chunks it shares with other checkpoints (see chunks.py) and how many bytes writing it
+took, and the engine's metadata (step, epoch, world size, DMTCP images).
 """
 
 from __future__ import annotations
@@ -10,11 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .chunks import ChunkStore, chunk_id_problem
 from .files import plain_name
 
-__all__ = ["CheckpointInfo", "manifest_problem", "FORMAT_VERSION", "MANIFEST"]
+__all__ = ["CheckpointInfo", "manifest_problem", "FORMAT_VERSION", "CHUNKED_FORMAT",
+           "READABLE_FORMATS", "MANIFEST"]
 
 FORMAT_VERSION = 1
+#: The format of a checkpoint that lists chunks: an older procckpt refuses it (it would
+#: load the placeholders that stand for the chunks' tensors) instead of misreading it.
+CHUNKED_FORMAT = 2
+READABLE_FORMATS = (FORMAT_VERSION, CHUNKED_FORMAT)
 MANIFEST = "MANIFEST.json"
 
 
@@ -40,7 +47,25 @@ class CheckpointInfo:
 
     @property
     def nbytes(self) -> int:
-        return sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
+        """The state's size: its files and the chunks it lists (written now or earlier)."""
+        return (sum(int(f["bytes"]) for f in self.manifest.get("files", {}).values())
+                + sum(self.chunks.values()))
+
+    @property
+    def chunks(self) -> dict[str, int]:
+        """The chunks the checkpoint lists (see chunks.py), by id, with their sizes."""
+        return dict(self.manifest.get("chunks") or {})
+
+    @property
+    def chunk_store(self) -> ChunkStore:
+        """The chunk store of the dir the checkpoint is in (``DIR/checkpoints/ckpt-N``)."""
+        return ChunkStore(self.path.parent.parent / "chunks")
+
+    @property
+    def written(self) -> int:
+        """Bytes that writing this checkpoint wrote (chunks already stored are not)."""
+        value = self.manifest.get("written")
+        return self.nbytes if value is None else int(value)
 
     @property
     def created(self) -> float:
@@ -70,7 +95,17 @@ def manifest_problem(manifest: Any) -> str | None:
                 isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
                 and entry.get(k) >= 0 for k in ("bytes", "crc32")):
             return f"entry of {name!r} has no whole-number bytes and crc32"
-    for key in ("step", "epoch", "batch", "seq", "world_size"):
+    chunks = manifest.get("chunks")
+    if chunks is not None:
+        if not isinstance(chunks, dict):
+            return "its chunks are not an object"
+        for chunk_id, nbytes in chunks.items():
+            problem = chunk_id_problem(chunk_id)
+            if problem is not None:
+                return problem
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                return f"chunk {chunk_id} has no whole-number size"
+    for key in ("step", "epoch", "batch", "seq", "world_size", "written"):
         value = manifest.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
             return f"{key} is {value!r}, not a whole number"

@@ -22,7 +22,8 @@ from typing import Any
 from ..errors import StoreError
 from .files import (ChecksumWriter, file_crc32, fsync_dir, open_new_file, plain_name,
                     write_file_atomic)
-from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo
+from .chunks import ChunkStore
+from .manifest import CHUNKED_FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 
 __all__ = ["PendingCheckpoint"]
 
@@ -33,7 +34,8 @@ class PendingCheckpoint:
 
     def __init__(self, ckpt_root: Path, seq: int, meta: dict[str, Any],
                  next_seq: Callable[[], int],
-                 adopt: Callable[[PendingCheckpoint], None] | None = None) -> None:
+                 adopt: Callable[[PendingCheckpoint], None] | None = None,
+                 chunk_store: ChunkStore | None = None) -> None:
         self.ckpt_root = ckpt_root
         self.seq = seq
         self.meta = dict(meta)
@@ -41,6 +43,10 @@ class PendingCheckpoint:
         self.tmp = ckpt_root / f".tmp-ckpt-{seq:08d}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.tmp.mkdir(parents=False)
         self.files: dict[str, dict[str, int]] = {}
+        #: Chunks the checkpoint lists (see chunks.py), and the bytes of those written now.
+        self.chunks: dict[str, int] = {}
+        self.chunk_bytes_written = 0
+        self._chunk_store = chunk_store
         self._committed = False
         #: Called once before the manifest is written, to add files written by others (a
         #: framework's own checkpoint files) with :meth:`adopt_file`.
@@ -84,6 +90,24 @@ class PendingCheckpoint:
         _check_name(name)
         self.files[name] = {"bytes": nbytes, "crc32": crc32}
 
+    def put_chunk(self, data: memoryview) -> str:
+        """Store ``data`` as a chunk of this checkpoint (written only if the dir's chunk
+        store lacks it); return its id. Durable on return."""
+        if self._chunk_store is None:
+            raise StoreError("this checkpoint has no chunk store")
+        chunk_id, written = self._chunk_store.put(data)
+        self.chunks[chunk_id] = len(data)
+        self.chunk_bytes_written += len(data) if written else 0
+        return chunk_id
+
+    def list_chunk(self, chunk_id: str, nbytes: int) -> bool:
+        """List a chunk the store holds already (written by an earlier checkpoint); False
+        if it is not there (then the caller writes it with :meth:`put_chunk`)."""
+        if self._chunk_store is None or not self._chunk_store.has(chunk_id, nbytes):
+            return False
+        self.chunks[chunk_id] = nbytes
+        return True
+
     def adopt_file(self, source: Path) -> None:
         """Move file ``source`` (written and closed by someone else) into the checkpoint,
         under its own name; copied where it is on another file system."""
@@ -107,6 +131,7 @@ class PendingCheckpoint:
             adopt(self)
         if not self.files:
             raise StoreError("refusing to commit a checkpoint with no payload files")
+        file_bytes = sum(f["bytes"] for f in self.files.values())
         manifest = {
             "format": FORMAT_VERSION,
             "seq": self.seq,
@@ -114,9 +139,13 @@ class PendingCheckpoint:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "files": self.files,
-            "bytes": sum(f["bytes"] for f in self.files.values()),
+            "bytes": file_bytes,
             **self.meta,
         }
+        if self.chunks:
+            manifest.update(format=CHUNKED_FORMAT, chunks=self.chunks,
+                            bytes=file_bytes + sum(self.chunks.values()),
+                            written=file_bytes + self.chunk_bytes_written)
         with open_new_file(self.tmp / MANIFEST, "w") as f:
             json.dump(manifest, f, indent=1, sort_keys=True)
             f.flush()

@@ -11,8 +11,9 @@ Layout of a checkpoint directory::
       checkpoints/
         ckpt-00000007/          one directory per checkpoint, named by a sequence number
           state.pt              payload file(s), written by an engine
-          MANIFEST.json         written last: sizes and CRC-32 of every payload file
+          MANIFEST.json         written last: sizes and CRC-32 of every payload file, chunks
         .tmp-ckpt-...           a checkpoint being written; never loaded, removed at start
+      chunks/blake3/ab/ab...    state shared by checkpoints, named by its hash (chunks.py)
 
 A checkpoint is written through :class:`PendingCheckpoint` (pending.py) and appears under its
 final name whole or not at all. The manifest's checksums (manifest.py) catch what the rename
@@ -35,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointReadError, StoreError
-from .files import (READ_RETRY_PAUSES, file_crc32, fsync_dir, read_small_file, read_with_retries,
-                    write_file_atomic)
+from .files import (READ_RETRY_PAUSES, file_crc32, format_size, fsync_dir, modified,
+                    read_small_file, read_with_retries, write_file_atomic)
+from .chunks import ChunkStore
 from .lock import DirLock
-from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo, manifest_problem
+from .manifest import (FORMAT_VERSION, MANIFEST, READABLE_FORMATS, CheckpointInfo,
+                       manifest_problem)
 from .pending import PendingCheckpoint
 
 __all__ = ["CheckpointStore", "MARKER", "COMPLETE", "format_size"]
@@ -73,6 +76,7 @@ class CheckpointStore:
         self.control_dir = self.root / "control"
         self.events_path = self.root / "events.jsonl"
         self.complete_path = self.root / COMPLETE
+        self.chunks = ChunkStore(self.root / "chunks")
         #: Adds files that others wrote to each checkpoint before it is committed (a
         #: framework's own checkpoint files: see integrations/transformers.py).
         self.adopt: Callable[[PendingCheckpoint], None] | None = None
@@ -172,7 +176,7 @@ class CheckpointStore:
                 continue
             for p in parent.iterdir():
                 if p.name.startswith(".tmp-"):
-                    if parent != self.ckpt_root and _modified(p) > fresh_from:
+                    if parent != self.ckpt_root and modified(p) > fresh_from:
                         continue
                     if p.is_dir():
                         shutil.rmtree(p, ignore_errors=True)
@@ -193,7 +197,7 @@ class CheckpointStore:
     def begin(self, meta: dict[str, Any]) -> PendingCheckpoint:
         """Start a new checkpoint; ``meta`` (step, epoch, reason, ...) goes into its manifest."""
         return PendingCheckpoint(self.ckpt_root, self.next_seq(), meta, self.next_seq,
-                                 adopt=self.adopt)
+                                 adopt=self.adopt, chunk_store=self.chunks)
 
     def prune(self) -> list[Path]:
         """Delete old checkpoints: keep the newest ``keep`` valid ones and the best one.
@@ -218,7 +222,20 @@ class CheckpointStore:
                     continue
                 shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(info.path)
+        self.collect_chunks()
         return removed
+
+    def collect_chunks(self) -> None:
+        """Remove the chunks that no checkpoint in the dir lists (moved-aside ones count, so
+        that they stay whole for inspection). Called by the writing process after pruning."""
+        referenced: set[str] = set()
+        for p in self._ckpt_dirs(include_bad=True):
+            with contextlib.suppress(CheckpointReadError):
+                referenced.update((self._read_manifest(p, retry=False) or {}).get("chunks", {}))
+        removed, freed = self.chunks.collect(referenced)
+        if removed:
+            logger.debug("removed %d chunk(s) no checkpoint lists (%s)", removed,
+                         format_size(freed))
 
     # -- reading ----------------------------------------------------------------------------
     def _ckpt_dirs(self, include_bad: bool = False) -> list[Path]:
@@ -279,17 +296,22 @@ class CheckpointStore:
             return None, f"its manifest is malformed ({problem})"
         return manifest, None
 
-    def verify(self, path: Path, *, skip_crc: frozenset[str] = frozenset()) -> str | None:
+    def verify(self, path: Path, *, skip_crc: frozenset[str] = frozenset(),
+               hash_chunks: bool = True) -> str | None:
         """Return why the checkpoint at ``path`` cannot be used, or None if it is intact.
 
         ``skip_crc`` names files whose checksum the caller verifies itself (an engine that
         checksums a file while mapping it in); their presence and size are still checked.
+        ``hash_chunks=False``: the caller hashes the chunks as it reads them.
         """
         manifest, problem = self._manifest_and_problem(path)
         if manifest is None:
             return problem
-        if manifest.get("format") != FORMAT_VERSION:
+        if manifest.get("format") not in READABLE_FORMATS:
             return f"it has format {manifest.get('format')}, expected {FORMAT_VERSION}"
+        problem = self.chunks.problem(manifest.get("chunks") or {}, hash_them=hash_chunks)
+        if problem is not None:
+            return problem
         for name, expect in manifest["files"].items():
             target = path / name
             try:
@@ -311,12 +333,12 @@ class CheckpointStore:
         return None
 
     def intact_setting_aside_damaged(self, *, skip_crc: frozenset[str] = frozenset(),
-                          ) -> Iterator[CheckpointInfo]:
+                                     hash_chunks: bool = True) -> Iterator[CheckpointInfo]:
         """Yield intact checkpoints, newest first; each damaged one is logged loudly and
         moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again).
-        ``skip_crc``: see :meth:`verify`."""
+        ``skip_crc``, ``hash_chunks``: see :meth:`verify`."""
         for p in self._ckpt_dirs():
-            problem = self.verify(p, skip_crc=skip_crc)
+            problem = self.verify(p, skip_crc=skip_crc, hash_chunks=hash_chunks)
             if problem is None:
                 manifest = self._read_manifest(p)
                 assert manifest is not None
@@ -424,20 +446,3 @@ class CheckpointStore:
     def _record(self, kind: str, **fields: object) -> None:
         if self._journal is not None:
             self._journal(self.events_path, kind, **fields)
-
-
-def format_size(n: float) -> str:
-    """A byte count as people read it: ``512 B``, ``18.6 KB``, ``1.5 GB`` (powers of 1000)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return str(n)
-
-
-def _modified(path: Path) -> float:
-    """``path``'s modification time; 0 when it is gone (another cleaner took it)."""
-    try:
-        return os.lstat(path).st_mtime
-    except OSError:
-        return 0.0

@@ -37,7 +37,7 @@ from .member import CheckpointerAsMember
 from .position.progress import Progress
 from .position.resplit import BEFORE
 from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
-from .saving import Saves, background_savers
+from .saving import Saves, background_savers, frozen_chunks
 from .link.timing import CycleTimer
 from .link.triggers import SaveTriggers
 
@@ -146,7 +146,8 @@ class Checkpointer:
             self._background, group_writes = background_savers(
                 self.store, self._dist, self.is_writer, self._statefuls, async_save)
             self._saves = Saves(self.store, self._background, self._triggers,
-                                is_writer=self.is_writer, group=group_writes)
+                                is_writer=self.is_writer, group=group_writes,
+                                frozen=frozen_chunks(self.store, self._statefuls, self.is_writer))
 
             if self.is_writer:
                 self.store.open()

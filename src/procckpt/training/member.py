@@ -29,6 +29,11 @@ class CheckpointerAsMember:
     def statefuls(self) -> dict[str, Any]:
         return self._ck._statefuls
 
+    @property
+    def frozen(self) -> Any:
+        """What writes the frozen parameters once (io/frozen.py); None on ranks but 0."""
+        return self._ck._saves.frozen
+
     def checkpoint_meta(self, reason: str) -> dict[str, Any]:
         return self._ck._meta(reason)
 

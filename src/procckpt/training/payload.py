@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ProcckptError, UsageError
 from ..store import CheckpointInfo
+from .io.frozen import resolve_chunks
 from .io.mapped import detach_from_file
 
 __all__ = ["PAYLOAD", "PAYLOAD_FORMAT", "Stateful", "build_payload", "checkpoint_meta",
@@ -100,15 +101,17 @@ def checkpoint_meta(position: tuple[int, int, int], reason: str, restart: int,
 
 
 def read_payload(info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
-    """``state.pt`` of ``info``; ``weights_only``, so safe even before its checksum is verified.
+    """``state.pt`` of ``info``, with the tensors of its chunks put back (io/frozen.py);
+    ``weights_only``, so safe even before its checksum is verified.
 
     Raises:
-        ValueError: the file is not a procckpt hooks checkpoint.
+        ValueError: the file is not a procckpt hooks checkpoint, or a chunk is damaged.
+        CheckpointReadError: a chunk could not be read.
     """
     payload = torch.load(info.file(PAYLOAD), map_location="cpu", weights_only=True, mmap=mmap)
     if not isinstance(payload, dict) or payload.get("format") != PAYLOAD_FORMAT:
         raise ValueError("it is not a procckpt hooks checkpoint")
-    return payload
+    return resolve_chunks(payload, info.chunk_store, info.chunks)
 
 
 def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],

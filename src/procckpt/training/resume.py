@@ -42,7 +42,8 @@ def load_newest_verified(store: CheckpointStore, apply: Apply,
     started = time.monotonic()
     # The payload's checksum is verified on the mapping below, before any of it is used; the
     # other files (if any) and all sizes are checked here.
-    for info in store.intact_setting_aside_damaged(skip_crc=frozenset({PAYLOAD})):
+    for info in store.intact_setting_aside_damaged(skip_crc=frozenset({PAYLOAD}),
+                                                   hash_chunks=False):  # read_payload does
         try:
             payload = read_with_retries(info.file(PAYLOAD),
                                         lambda: read_payload(info, mmap=True))  # noqa: B023

@@ -13,18 +13,22 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from ..protocol.events import append_event
+from ..protocol.switches import FROZEN_ONCE
 from ..store import CheckpointInfo, CheckpointStore
 from .distributed import DistributedCoordinator, GroupWrites, sharded_of
 from .distributed.shard_copies import ShardWrites
 from .io.arena import NotSnapshottable
 from .io.background import BackgroundSaver, WriteResult, async_wanted, staged
 from .io.fence import StepFence
+from .io.frozen import FrozenChunks
 from .io.writer import write_checkpoint
 from .payload import PAYLOAD
 from .link.triggers import SaveTriggers
 
-__all__ = ["Saves", "background_savers"]
+__all__ = ["Saves", "background_savers", "frozen_chunks"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,18 +52,32 @@ def background_savers(store: CheckpointStore, group: DistributedCoordinator | No
     return background, group.writes
 
 
+def frozen_chunks(store: CheckpointStore, statefuls: dict[str, Any],
+                  is_writer: bool) -> FrozenChunks | None:
+    """What stores the frozen parameters of ``statefuls``' modules once (io/frozen.py), in
+    the process that writes ``state.pt`` (rank 0 of a group); None with
+    ``PROCCKPT_FROZEN_ONCE=0``."""
+    if not is_writer or not FROZEN_ONCE.read():
+        return None
+    modules = [obj for obj in statefuls.values() if isinstance(obj, torch.nn.Module)]
+    return FrozenChunks(modules, store.chunks) if modules else None
+
+
 class Saves:
     """Writes the checkpoints of the process that writes them (rank 0, or the only one).
 
     Args:
         background: the background saver, or None to write every checkpoint synchronously.
         triggers: told when a checkpoint was taken, and which request it answers.
+        frozen: the frozen parameters written once (io/frozen.py), or None to write all
+            of the state into every checkpoint.
     """
 
     def __init__(self, store: CheckpointStore, background: BackgroundSaver | None,
                  triggers: SaveTriggers, *, is_writer: bool,
-                 group: GroupWrites | None = None) -> None:
+                 group: GroupWrites | None = None, frozen: FrozenChunks | None = None) -> None:
         self.store = store
+        self.frozen = frozen
         self.background = background
         self.group = group
         self.triggers = triggers
@@ -80,8 +98,9 @@ class Saves:
             # A failed background write was logged; this checkpoint supersedes it.
             self.background.wait(raise_failure=False)
         started = time.monotonic()
-        with staged(self.background, payload) as state:
-            info = write_checkpoint(self.store, meta, state, PAYLOAD)
+        plan = self.frozen.plan(payload) if self.frozen is not None else None
+        with staged(self.background, payload if plan is None else plan.payload) as state:
+            info = write_checkpoint(self.store, meta, state, PAYLOAD, plan)
         self.taken(info, reason, position, meta.get("restart", 0), time.monotonic() - started)
         return info
 
@@ -111,8 +130,11 @@ class Saves:
         assert self.background is not None
         started = time.monotonic()
         triggers = self.triggers
+        self.background.wait(raise_failure=False)  # the plan needs what it stored
+        state = payload()
+        plan = self.frozen.plan(state) if self.frozen is not None else None
         try:
-            snapshot = self.background.capture(payload())
+            snapshot = self.background.capture(state if plan is None else plan.payload)
         except NotSnapshottable as e:
             logger.info("writing this checkpoint synchronously: the state holds %s", e)
             return False
@@ -130,7 +152,7 @@ class Saves:
 
         triggers.last_save = time.monotonic()
         self.saved_at = position  # before the thread starts: failed() may reset it
-        self.background.start(snapshot, meta, durable, failed)
+        self.background.start(snapshot, meta, durable, failed, plan)
         logger.debug("state copied for checkpoint in %.3fs (%.1f MB, %d tensors)", stall,
                      snapshot.nbytes / 1e6, snapshot.tensors)
         return True
@@ -190,10 +212,12 @@ class Saves:
         epoch, batch, step = position
         background = {} if stall is None else {"stall": round(stall, 4), "background": True}
         append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
-                     epoch=epoch, batch=batch, bytes=info.nbytes, seconds=round(seconds, 4),
+                     epoch=epoch, batch=batch, bytes=info.nbytes, written=info.written,
+                     seconds=round(seconds, 4),
                      reason=reason, restart=restart, **background)
-        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB in %.2fs%s (%s)", info.name,
-                    step, epoch, info.nbytes / 1e6, seconds,
+        fresh = "" if info.written == info.nbytes else f" ({info.written / 1e6:.1f} MB new)"
+        logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB%s in %.2fs%s (%s)",
+                    info.name, step, epoch, info.nbytes / 1e6, fresh, seconds,
                     "" if stall is None else f", training paused {stall:.3f}s", reason)
 
     def mark_complete(self, position: Position, info: CheckpointInfo | None) -> None:

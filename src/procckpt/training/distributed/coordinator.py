@@ -53,6 +53,7 @@ from ...errors import CheckpointCorruptError, ProcckptError, StorageError, Usage
 from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir,
                       lasting_write_error)
 from ..io.background import staged
+from ..io.frozen import ChunkPlan
 from ..io.writer import save_payload
 from ..position.resplit import resplit_position
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
@@ -84,6 +85,7 @@ class GroupMember(Protocol):
     store: CheckpointStore
     step: int
     payload_name: str  # the file the replicated state goes into (written by rank 0)
+    frozen: Any  # rank 0: writes frozen parameters once (io/frozen.py); None elsewhere
 
     @property
     def statefuls(self) -> Mapping[str, Any]: ...
@@ -191,6 +193,7 @@ class DistributedCoordinator:
         error: str | None = None
         lasting: StorageError | None = None  # this rank's failure, if it would repeat
         local_sums: Sums | None = None
+        plan: ChunkPlan | None = None
         if sharded:
             try:
                 # Collective; DCP itself reports a failure on every rank.
@@ -203,8 +206,10 @@ class DistributedCoordinator:
                     assert pending is not None
                     payload = ck.replicated_payload(exclude=set(sharded))
                     saver = self.writes.background if self.writes else None
-                    with staged(saver, payload) as state:  # the one writer of every checkpoint
-                        save_payload(pending, ck.payload_name, state)
+                    plan = ck.frozen.plan(payload) if ck.frozen is not None else None
+                    # The one writer of every checkpoint:
+                    with staged(saver, payload if plan is None else plan.payload) as state:
+                        save_payload(pending, ck.payload_name, state, plan)
                 else:
                     write_synced(tmp / RANK_FILE.format(rank=self.rank), {
                         "format": RANK_FILE_FORMAT, "rank": self.rank,
@@ -216,6 +221,8 @@ class DistributedCoordinator:
             repeating = self.any_rank(lasting is not None)  # every rank is here: collective
             if pending is not None:
                 pending.abort()
+            if plan is not None:
+                plan.failed()
             if error:
                 logger.error("rank %d could not write its part of the checkpoint: %s",
                              self.rank, error)
@@ -242,6 +249,8 @@ class DistributedCoordinator:
             except Exception as e:
                 pending.abort()
                 result = f"!{e}"
+            if plan is not None:
+                plan.durable() if info_out is not None else plan.failed()
         # Everyone waits for the commit: no rank runs (or exits) ahead of a half-made checkpoint.
         committed = self.broadcast_text(result)
         if committed.startswith("!"):

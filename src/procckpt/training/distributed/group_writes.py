@@ -28,6 +28,7 @@ from ...protocol import control as ctl
 from ...store import CheckpointInfo, PendingCheckpoint
 from ..io.arena import NotSnapshottable
 from ..io.background import BackgroundSaver
+from ..io.frozen import ChunkPlan
 from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
@@ -56,6 +57,7 @@ class _Part:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     sums: Sums = field(default_factory=dict)  # DCP's files, summed as they were written
+    plan: ChunkPlan | None = None  # rank 0: its frozen parameters (io/frozen.py)
 
 
 class GroupWrites:
@@ -113,6 +115,10 @@ class GroupWrites:
             return False
         started = time.monotonic()
         payload, live = self.inputs(ck)
+        plan = ck.frozen.plan(payload if live is None else payload["part"]) \
+            if ck.frozen is not None else None
+        if plan is not None:
+            payload = plan.payload if live is None else {**payload, "part": plan.payload}
         snapshot = None
         try:
             snapshot = self.background.capture(payload)
@@ -123,7 +129,8 @@ class GroupWrites:
                 pending.abort()
             return False
         assert snapshot is not None
-        part = _Part(tmp, reason, position, started, time.monotonic() - started, request, pending)
+        part = _Part(tmp, reason, position, started, time.monotonic() - started, request, pending,
+                     plan=plan)
 
         def write(copy: Any) -> None:  # on the writer thread
             if live is not None:  # first: collective with the other ranks' writer threads
@@ -131,7 +138,7 @@ class GroupWrites:
                 part.sums = self.shards.write(live, copy["shards"], str(tmp))
                 copy = copy["part"]
             if pending is not None:
-                save_payload(pending, ck.payload_name, copy)
+                save_payload(pending, ck.payload_name, copy, plan)
             else:
                 files.write_synced(tmp / RANK_FILE.format(rank=coordinator.rank), copy)
 
@@ -177,6 +184,8 @@ class GroupWrites:
                 except Exception as e:
                     part.pending.abort()
                     result = f"!{e}"
+            if part.plan is not None:
+                part.plan.durable() if info is not None else part.plan.failed()
         committed = coordinator.broadcast_text(result)
         if committed.startswith("!"):
             logger.error("the checkpoint of step %d was not committed (%s); the previous "

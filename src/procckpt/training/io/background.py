@@ -33,6 +33,7 @@ from ...protocol.switches import ASYNC
 from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .fence import StepFence
+from .frozen import ChunkPlan
 from .writer import lasting_errors_explained, save_payload, tensors_of
 
 __all__ = ["BackgroundSaver", "BackgroundWriteError", "WriteResult", "async_wanted", "staged",
@@ -189,11 +190,14 @@ class BackgroundSaver:
 
     def start(self, snapshot: Snapshot, meta: dict[str, Any],
               on_durable: Callable[[WriteResult], None],
-              on_failed: Callable[[BaseException], None]) -> None:
-        """Write ``snapshot`` as a new checkpoint on the writer thread."""
+              on_failed: Callable[[BaseException], None],
+              plan: ChunkPlan | None = None) -> None:
+        """Write ``snapshot`` as a new checkpoint on the writer thread (its frozen tensors
+        as ``plan`` says)."""
         assert not self.in_flight, "capture() waits for the previous write"
         thread = threading.Thread(target=self._write, name="procckpt-writer",
-                                  args=(snapshot, meta, on_durable, on_failed), daemon=False)
+                                  args=(snapshot, meta, on_durable, on_failed, plan),
+                                  daemon=False)
         self._thread = thread
         thread.start()
 
@@ -230,15 +234,17 @@ class BackgroundSaver:
 
     def _write(self, snapshot: Snapshot, meta: dict[str, Any],
                on_durable: Callable[[WriteResult], None],
-               on_failed: Callable[[BaseException], None]) -> None:
+               on_failed: Callable[[BaseException], None], plan: ChunkPlan | None) -> None:
         started = time.perf_counter()
         try:
             snapshot.wait_copied()
             with lasting_errors_explained(self.store, snapshot.payload), \
                     self.store.begin(meta) as pending:
-                writer = save_payload(pending, self.name, snapshot.payload)
+                writer = save_payload(pending, self.name, snapshot.payload, plan)
                 info = pending.commit()
         except BaseException as e:  # raised again by the training thread's next wait()
+            if plan is not None:
+                plan.failed()
             self._error = e
             snapshot.payload = None
             logger.error("writing a checkpoint in the background failed: %s; the previous "
@@ -247,6 +253,8 @@ class BackgroundSaver:
                 on_failed(e)
             return
         snapshot.payload = None  # the arena is free for the next capture
+        if plan is not None:
+            plan.durable()
         result = WriteResult(info, snapshot.seconds, time.perf_counter() - started,
                              writer.io_seconds)
         try:

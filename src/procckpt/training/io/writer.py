@@ -22,6 +22,7 @@ import torch
 from ...store.checksum import crc32
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
 from .direct import DirectWrites, direct_wanted, direct_writes
+from .frozen import ChunkPlan
 
 __all__ = ["StreamingFileWriter", "save_payload", "write_checkpoint", "lasting_errors_explained",
            "payload_bytes", "tensors_of", "torch_zip_crc_off", "CHUNK"]
@@ -231,8 +232,12 @@ def torch_zip_crc_off() -> Iterator[None]:
                 put(_zip_crc.before)
 
 
-def save_payload(pending: PendingCheckpoint, name: str, payload: Any) -> StreamingFileWriter:
-    """``torch.save`` ``payload`` as file ``name`` of ``pending``; record its size and CRC."""
+def save_payload(pending: PendingCheckpoint, name: str, payload: Any,
+                 plan: ChunkPlan | None = None) -> StreamingFileWriter:
+    """``torch.save`` ``payload`` as file ``name`` of ``pending``; record its size and CRC.
+    With a ``plan``, its frozen tensors go to the chunk store first (see frozen.py)."""
+    if plan is not None:
+        payload = plan.write(pending, payload)
     writer = StreamingFileWriter(pending.path / name)
     try:
         with torch_zip_crc_off():
@@ -248,15 +253,23 @@ def save_payload(pending: PendingCheckpoint, name: str, payload: Any) -> Streami
 
 
 def write_checkpoint(store: CheckpointStore, meta: dict[str, Any], payload: Any,
-                     name: str = "state.pt") -> CheckpointInfo:
+                     name: str = "state.pt", plan: ChunkPlan | None = None) -> CheckpointInfo:
     """Write ``payload`` as a new checkpoint of ``store``; durable and in place on return.
 
     Raises:
         StorageError: no space or no permission: a failure that trying again would repeat.
     """
-    with lasting_errors_explained(store, payload), store.begin(meta) as pending:
-        save_payload(pending, name, payload)
-        return pending.commit()
+    try:
+        with lasting_errors_explained(store, payload), store.begin(meta) as pending:
+            save_payload(pending, name, payload, plan)
+            info = pending.commit()
+    except BaseException:
+        if plan is not None:
+            plan.failed()
+        raise
+    if plan is not None:
+        plan.durable()
+    return info
 
 
 @contextlib.contextmanager
