@@ -93,7 +93,8 @@ def test_every_run_option_is_declared_once_and_read_from_every_source(tmp_path: 
     from procckpt.cli import cli
     from procckpt.launcher.config import OPTIONS, RunConfig
 
-    declared = [f.name for f in fields(RunConfig) if f.name != "command"]
+    # command is the positional argument; remote is derived from --dir (an s3:// URL).
+    declared = [f.name for f in fields(RunConfig) if f.name not in ("command", "remote")]
     assert list(OPTIONS) == declared and set(SAMPLES) == set(declared)
     help_text = CliRunner().invoke(cli, ["run", "--help"]).output
     run_params = {p.name: p for p in cli.commands["run"].params}
@@ -167,3 +168,20 @@ def test_k8s_grace_is_read_like_runs(capsys: pytest.CaptureFixture[str]):
     assert "30" in pod["containers"][0]["command"][pod["containers"][0]["command"].index("--grace") + 1]
     assert main([*k8s, "--grace", "2m", "--time-limit", "1m", "--", "x"]) == 2
     assert "grace (120s) must be shorter than the time limit (60s)" in capsys.readouterr().err
+
+
+def test_an_s3_dir_keeps_its_url_and_gets_a_local_dir(tmp_path: Path, monkeypatch):
+    from procckpt.errors import UsageError
+    from procckpt.launcher.config import config_from
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PROCCKPT_LOCAL_DIR", raising=False)
+    config = config_from({"dir": "s3://team-ckpts/runs/bert/"}, ["python", "t.py"])
+    assert config.remote == "s3://team-ckpts/runs/bert"
+    assert config.dir == tmp_path / "procckpt-local" / "team-ckpts" / "runs" / "bert"
+    monkeypatch.setenv("PROCCKPT_LOCAL_DIR", str(tmp_path / "node-local"))
+    assert config_from({"dir": "s3://team-ckpts/x"}, ["t"]).dir == tmp_path / "node-local"
+    assert config_from({"dir": "ckpt"}, ["t"]).remote is None
+    for bad in ("s3://", "s3://Bad_Bucket/x", "s3://ok-bucket/../x"):
+        with pytest.raises(UsageError, match="expected s3://BUCKET/PREFIX"):
+            config_from({"dir": bad}, ["t"])

@@ -74,7 +74,11 @@ def run_command(config: RunConfig) -> int:
     exe = config.command[0]
     if "/" not in exe and shutil.which(exe) is None:
         raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
-    store = CheckpointStore(config.dir, keep=config.keep, journal=append_event).open()
+    store = CheckpointStore(config.dir, keep=config.keep, journal=append_event,
+                            remote=config.remote).open()
+    if config.remote is not None:
+        logger.info("checkpoints go to %s; the lock, control channel and journal stay in %s",
+                    config.remote, store.root)
     if config.node_rank > 0:  # node 0's launcher holds the lock and leads
         from .launcher.follower import Follower
 
@@ -203,18 +207,22 @@ def check(command: tuple[str, ...], steps: int, at: int | None, keep: bool) -> N
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (state, goodput, checkpoints, recent events).")
 def status(directory: str, no_verify: bool, events: int, as_json: bool) -> None:
-    """Show the checkpoints, goodput, restarts and recent events of a checkpoint DIRECTORY."""
+    """Show the checkpoints, goodput, restarts and recent events of a checkpoint DIRECTORY
+    (for s3://BUCKET/PREFIX: of its local dir, and what the prefix holds)."""
+    from .store.remote import split_location
+
+    local, _ = split_location(directory)
     if as_json:
         import json
 
         from .inspect.status import status_data
 
-        data = status_data(Path(directory), events=events, verify=not no_verify)
+        data = status_data(local, events=events, verify=not no_verify)
         click.echo(json.dumps(data, indent=1, default=str))
         return
     from .inspect.status import render_status
 
-    click.echo(render_status(Path(directory), events=events, verify=not no_verify))
+    click.echo(render_status(local, events=events, verify=not no_verify))
 
 
 @cli.command()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ..durations import format_duration
-from ..errors import CheckpointReadError, StoreError
+from ..errors import ProcckptError, CheckpointReadError, StoreError
 from .goodput import Goodput, compute_goodput
 from ..protocol.events import read_events, unreadable_lines
 from ..store import MARKER, CheckpointStore
@@ -49,6 +49,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     store = opened_for_reading(root)
     now = time.time()
     lines = [f"checkpoint dir: {store.root}"]
+    if store.remote_url is not None:
+        lines.append(f"remote:         {_remote_line(store)}")
     complete = store.completion()
     holder = _holder(store)
     if complete:
@@ -206,6 +208,15 @@ def _checkpoints(store: CheckpointStore, history: list[dict[str, Any]], verify: 
             "reason": manifest.get("reason"), "corrupt": corrupt, "valid": valid,
             "problem": problem})
     return out
+
+
+def _remote_line(store: CheckpointStore) -> str:
+    """The remote dir and the checkpoints committed there (store/remote.py)."""
+    try:
+        names = store.remote.committed()  # type: ignore[union-attr]
+    except ProcckptError as e:
+        return f"{store.remote_url} (cannot list it: {e})"
+    return f"{store.remote_url}: " + (", ".join(names) if names else "no checkpoint yet")
 
 
 def _holder(store: CheckpointStore) -> dict | None:

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import ProcckptError
 from ..store import MARKER, CheckpointInfo, CheckpointStore
 from ..training.checkpointer import Checkpointer
-from ..training.link.context import default_dir
+from ..training.link.context import dir_and_remote
 
 __all__ = ["newest_verified", "checkpointer_resumed_from"]
 
@@ -21,7 +21,10 @@ def newest_verified(dir: str | os.PathLike[str] | None) -> CheckpointInfo | None
     Read before the framework starts, so that it can be told where to resume from; nothing is
     moved aside here: the Checkpointer does that when it resumes, from the same checkpoint.
     """
-    store = CheckpointStore(default_dir(dir))
+    local, remote = dir_and_remote(dir)
+    store = CheckpointStore(local, remote=remote)
+    if store.remote is not None and store.root.is_dir():
+        store.open().fetch_remote()  # a resume on another node: the newest is remote
     if not (store.root / MARKER).is_file() or not store.ckpt_root.is_dir():
         return None
     return store.newest_intact()

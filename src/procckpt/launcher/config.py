@@ -21,6 +21,7 @@ import yaml
 from ..durations import parse_duration
 from ..errors import UsageError
 from ..protocol.switches import TRAINING_SWITCHES
+from ..store.remote import ENV_LOCAL, split_location
 
 __all__ = ["RunConfig", "Option", "OPTIONS", "load_config", "config_from", "check_grace",
            "CONFIG_FILE", "ENGINES"]
@@ -154,7 +155,9 @@ class RunConfig:
     """
 
     command: list[str] = field(default_factory=list)
-    dir: Path = _option(Path("procckpt-checkpoints"), "Checkpoint directory.", _dir, "DIR",
+    dir: Path = _option(Path("procckpt-checkpoints"), "Checkpoint directory, or s3://BUCKET/PREFIX "
+                        f"(then the lock and the journal stay in ${ENV_LOCAL}, by default "
+                        "./procckpt-local/BUCKET/PREFIX).", _dir, "DIR",
                         shown_default="./procckpt-checkpoints")
     time_limit: float | None = _option(
         None, "Time limit of each cycle (e.g. 90s, 15m, 2h, 1:30:00).", _duration, "DURATION",
@@ -198,6 +201,8 @@ class RunConfig:
         0, "Which of the --nodes this is; node 0 leads, the others follow its cycles.",
         _int(0), "K", sbatch="in a Slurm job srun starts every node's ranks: give sbatch "
         "--nodes, and torchrun or srun inside the job")
+    #: The s3:// URL that --dir gave (``dir`` is then its local dir); not an option itself.
+    remote: str | None = None
 
     def grace_for(self, limit: float | None) -> float:
         """Seconds before the deadline at which to ask for the checkpoint.
@@ -289,9 +294,15 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
 
 def config_from(values: Mapping[str, Any], command: list[str]) -> RunConfig:
     """A validated RunConfig from option values as given (None: not given), no other source."""
+    values = dict(values)
+    remote = None
+    if str(values.get("dir") or "").startswith("s3://"):  # its local dir holds the lock
+        local, remote = split_location(values["dir"])
+        values["dir"] = str(local)
     converted = {name: OPTIONS[name].convert(value, OPTIONS[name].flag[2:])
                  for name, value in values.items() if value is not None and name in OPTIONS}
     config = RunConfig(command=list(command), **converted)
+    config.remote = remote
     _validate(config)
     return config
 

@@ -33,7 +33,7 @@ from typing import Any
 from ..errors import CheckpointReadError
 from .files import READ_RETRY_PAUSES, fsync_dir, read_with_retries
 
-__all__ = ["ChunkStore", "ChunkDamaged", "HASH", "chunk_id_problem", "digest_of"]
+__all__ = ["ChunkStore", "ChunkDamaged", "HASH", "chunk_id_problem", "digest_of", "file_digest"]
 
 try:
     import blake3 as _blake3
@@ -72,6 +72,15 @@ def digest_of(data: memoryview, algo: str = HASH) -> str:
     h = _hasher(algo)
     for start in range(0, len(data), _PIECE):
         h.update(data[start:start + _PIECE])
+    return f"{algo}:{h.hexdigest()}"
+
+
+def file_digest(path: Path, algo: str = HASH) -> str:
+    """The chunk id of the file at ``path`` (read in pieces)."""
+    h = _hasher(algo)
+    with open(path, "rb", buffering=0) as f:
+        while piece := f.read(_PIECE):
+            h.update(piece)
     return f"{algo}:{h.hexdigest()}"
 
 

@@ -35,7 +35,8 @@ class PendingCheckpoint:
     def __init__(self, ckpt_root: Path, seq: int, meta: dict[str, Any],
                  next_seq: Callable[[], int],
                  adopt: Callable[[PendingCheckpoint], None] | None = None,
-                 chunk_store: ChunkStore | None = None) -> None:
+                 chunk_store: ChunkStore | None = None,
+                 publish: Callable[[CheckpointInfo], None] | None = None) -> None:
         self.ckpt_root = ckpt_root
         self.seq = seq
         self.meta = dict(meta)
@@ -47,6 +48,8 @@ class PendingCheckpoint:
         self.chunks: dict[str, int] = {}
         self.chunk_bytes_written = 0
         self._chunk_store = chunk_store
+        #: Called once the checkpoint is in place, before it counts: its upload (remote.py).
+        self._publish = publish
         self._committed = False
         #: Called once before the manifest is written, to add files written by others (a
         #: framework's own checkpoint files) with :meth:`adopt_file`.
@@ -160,7 +163,10 @@ class PendingCheckpoint:
         os.rename(self.tmp, final)
         fsync_dir(self.ckpt_root)
         self._committed = True
-        return CheckpointInfo(final, self.seq, manifest)
+        info = CheckpointInfo(final, self.seq, manifest)
+        if self._publish is not None:  # a failure leaves the local checkpoint in place
+            self._publish(info)
+        return info
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)

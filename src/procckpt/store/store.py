@@ -36,20 +36,21 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointReadError, StoreError
-from .files import (READ_RETRY_PAUSES, file_crc32, format_size, fsync_dir, modified,
+from .files import (READ_RETRY_PAUSES, file_crc32, format_size, modified,
                     read_small_file, read_with_retries, write_file_atomic)
 from .chunks import ChunkStore
 from .lock import DirLock
 from .manifest import (FORMAT_VERSION, MANIFEST, READABLE_FORMATS, CheckpointInfo,
                        manifest_problem)
 from .pending import PendingCheckpoint
+from .completion import COMPLETE, Completion
+from .remote import ENV_LOCAL, S3Tier, marked_remote
 
 __all__ = ["CheckpointStore", "MARKER", "COMPLETE", "format_size"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = ".procckpt"
-COMPLETE = "COMPLETE"
 _CKPT_RE = re.compile(r"^ckpt-(\d{8,})$")
 
 
@@ -60,14 +61,16 @@ _OWN_FIRST = ("checkpoints", "control")
 FRESH_TEMPORARY = 60.0
 
 
-class CheckpointStore:
+class CheckpointStore(Completion):
     """A checkpoint directory. ``open()`` must be called before anything else."""
 
     def __init__(self, root: str | os.PathLike[str], *, keep: int = 2,
-                 journal: Callable[..., None] | None = None) -> None:
+                 journal: Callable[..., None] | None = None, remote: str | None = None) -> None:
         """``journal(path, kind, **fields)`` records what the store did to the dir (a
         checkpoint moved aside, the run archived) in the journal at ``path``; the owners of
-        the dir pass the protocol's ``append_event`` (the store is below the protocol)."""
+        the dir pass the protocol's ``append_event`` (the store is below the protocol).
+        ``remote``: the ``s3://`` URL whose local dir ``root`` is (remote.py); a dir made
+        for one says so in its marker, so every later opener finds it."""
         if keep < 1:
             raise StoreError(f"keep must be at least 1, got {keep}")
         self.root = Path(root).absolute()
@@ -77,6 +80,8 @@ class CheckpointStore:
         self.events_path = self.root / "events.jsonl"
         self.complete_path = self.root / COMPLETE
         self.chunks = ChunkStore(self.root / "chunks")
+        self.remote_url = remote or marked_remote(self.root / MARKER)
+        self._remote: S3Tier | None = None
         #: Adds files that others wrote to each checkpoint before it is committed (a
         #: framework's own checkpoint files: see integrations/transformers.py).
         self.adopt: Callable[[PendingCheckpoint], None] | None = None
@@ -107,14 +112,14 @@ class CheckpointStore:
                 others = [p.name for p in root.iterdir() if p.name not in _OWN_FIRST
                           and not p.name.startswith(".tmp-")][:3]
                 if others and marker.exists():  # its marker came while we looked: ours
-                    self._check_marker(marker)
+                    self._check_marker(marker, self.remote_url)
                 elif others:
                     raise StoreError(
                         f"{root} is not a procckpt checkpoint dir (it holds {', '.join(others)}"
                         f"{', ...' if len(others) == 3 else ''}); pick a new or empty directory"
                     )
             else:
-                self._check_marker(marker)
+                self._check_marker(marker, self.remote_url)
         elif not create:
             raise StoreError(f"checkpoint dir {root} does not exist")
         try:
@@ -127,8 +132,8 @@ class CheckpointStore:
                                      "no links inside its checkpoint dir: remove it and run again")
             marker = root / MARKER
             if not marker.exists():
-                write_file_atomic(marker, json.dumps({"format": FORMAT_VERSION,
-                                                      "created": time.time()}).encode())
+                write_file_atomic(marker, json.dumps({"format": FORMAT_VERSION, "created": time.time(),
+                                                      "remote": self.remote_url}).encode())
             probe = root / f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             probe.write_bytes(b"")
             probe.unlink()
@@ -142,7 +147,7 @@ class CheckpointStore:
         return self
 
     @staticmethod
-    def _check_marker(marker: Path) -> None:
+    def _check_marker(marker: Path, remote: str | None) -> None:
         try:
             text = read_small_file(marker)
         except OSError as e:
@@ -157,6 +162,17 @@ class CheckpointStore:
                 f"{marker.parent} was written by an incompatible procckpt (format {fmt}, "
                 f"this one reads {FORMAT_VERSION}); use the matching version or a new --dir"
             )
+        if remote != marked_remote(marker):
+            raise StoreError(f"{marker.parent} is the local dir of "
+                             f"{marked_remote(marker) or 'no remote dir'}, not of {remote}; "
+                             f"set {ENV_LOCAL} to another local dir")
+
+    @property
+    def remote(self) -> S3Tier | None:
+        """The remote prefix that holds the committed checkpoints, if the dir has one."""
+        if self._remote is None and self.remote_url is not None:
+            self._remote = S3Tier(self.remote_url)
+        return self._remote
 
     def lock(self, purpose: str = "run") -> DirLock:
         """Take the directory's lock; raises LockedError if a live process holds it."""
@@ -196,8 +212,10 @@ class CheckpointStore:
 
     def begin(self, meta: dict[str, Any]) -> PendingCheckpoint:
         """Start a new checkpoint; ``meta`` (step, epoch, reason, ...) goes into its manifest."""
+        publish = None if self.remote is None else \
+            lambda info: self.remote.publish(info, self.chunks)  # type: ignore[union-attr]
         return PendingCheckpoint(self.ckpt_root, self.next_seq(), meta, self.next_seq,
-                                 adopt=self.adopt, chunk_store=self.chunks)
+                                 adopt=self.adopt, chunk_store=self.chunks, publish=publish)
 
     def prune(self) -> list[Path]:
         """Delete old checkpoints: keep the newest ``keep`` valid ones and the best one.
@@ -223,6 +241,8 @@ class CheckpointStore:
                 shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(info.path)
         self.collect_chunks()
+        if self.remote is not None:  # the same checkpoints are kept there
+            self.remote.prune({p.name for p in keep})
         return removed
 
     def collect_chunks(self) -> None:
@@ -337,6 +357,7 @@ class CheckpointStore:
         """Yield intact checkpoints, newest first; each damaged one is logged loudly and
         moved aside as ``ckpt-N.corrupt`` (kept for inspection, never loaded again).
         ``skip_crc``, ``hash_chunks``: see :meth:`verify`."""
+        self.fetch_remote()
         for p in self._ckpt_dirs():
             problem = self.verify(p, skip_crc=skip_crc, hash_chunks=hash_chunks)
             if problem is None:
@@ -365,6 +386,15 @@ class CheckpointStore:
         with contextlib.suppress(OSError):
             os.rename(path, path.with_name(path.name + ".corrupt"))
         self._record("corrupt", checkpoint=path.name, problem=problem)
+        if self.remote is not None:
+            self.remote.set_aside(path.name, problem)
+
+    def fetch_remote(self) -> None:
+        """With a remote dir, download its newest checkpoint if it is newer than every local
+        one (a resume on another node, or in a new local dir)."""
+        if self.remote is not None:
+            newest = max((self._seq_of(p) for p in self._ckpt_dirs(include_bad=True)), default=0)
+            self.remote.fetch_newer(newest, self.ckpt_root, self.chunks)
 
     def newest_for_resume(self) -> CheckpointInfo | None:
         """The newest intact checkpoint, None if there never was one.
@@ -407,41 +437,6 @@ class CheckpointStore:
         return (f"only {format_size(free)} free in {self.root}, and keeping {self.keep} "
                 f"checkpoints of {format_size(infos[0].nbytes)} each needs up to "
                 f"{format_size(need)} while the next is written: make room or lower --keep")
-
-    # -- completion -------------------------------------------------------------------------
-    def completion(self) -> dict[str, Any] | None:
-        """What the finished run noted in ``COMPLETE``; None while training is not done."""
-        try:
-            record = json.loads(read_small_file(self.complete_path))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            record = None
-        if isinstance(record, dict):
-            return record
-        try:
-            return {"time": os.lstat(self.complete_path).st_mtime}
-        except OSError:
-            return {"time": time.time()}
-
-    def mark_complete(self, **fields: Any) -> None:
-        write_file_atomic(self.complete_path,
-                          json.dumps({"time": time.time(), **fields}).encode())
-
-    def archive(self) -> Path | None:
-        """Move checkpoints and the completion marker into ``previous-<time>/`` (for --force):
-        training starts anew without deleting what an earlier run produced."""
-        if not self._ckpt_dirs(include_bad=True) and not self.complete_path.exists():
-            return None
-        dest = self.root / time.strftime("previous-%Y%m%d-%H%M%S")
-        dest.mkdir()
-        os.rename(self.ckpt_root, dest / "checkpoints")
-        if self.complete_path.exists():
-            os.rename(self.complete_path, dest / COMPLETE)
-        self.ckpt_root.mkdir()
-        fsync_dir(self.root)
-        self._record("archive", to=dest.name)  # a new run starts here
-        return dest
 
     def _record(self, kind: str, **fields: object) -> None:
         if self._journal is not None:

@@ -29,7 +29,7 @@ from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import distributed as dist_
 from . import loops
 from .fingerprints import check_hook
-from .link.context import DEFAULT_DIR, LaunchContext, default_dir
+from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote
 from .link.failures import open_control
 from .link.liveness import Liveness, NoLiveness
 from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
@@ -110,8 +110,9 @@ class Checkpointer:
             self._context = context = LaunchContext.from_environment()
             token = context.token
             self.launched = context.launched
-            self.dir = default_dir(dir).absolute()
-            self.store = CheckpointStore(self.dir, keep=keep, journal=append_event)
+            local, remote = dir_and_remote(dir)
+            self.dir = local.absolute()
+            self.store = CheckpointStore(self.dir, keep=keep, journal=append_event, remote=remote)
             self.restart = context.restart
             self.rank = context.rank
             self.is_writer = self.rank == 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ...errors import EX_TEMPFAIL, ProcckptError
 from ...protocol import control as ctl
+from ...store.remote import split_location
 
 __all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested"]
 
@@ -72,6 +73,17 @@ def default_dir(explicit: str | os.PathLike[str] | None = None) -> Path:
     if explicit is not None:
         return Path(explicit)
     return Path(os.environ.get(ctl.ENV_DIR) or DEFAULT_DIR)
+
+
+def dir_and_remote(explicit: str | os.PathLike[str] | None = None) -> tuple[Path, str | None]:
+    """The checkpoint dir as :func:`default_dir` chooses it, and the remote URL where it was
+    given as ``s3://BUCKET/PREFIX`` (then the dir is its local dir: store/remote.py). Under
+    ``procckpt run`` the launcher chose both; its local dir's marker names the remote."""
+    launched = os.environ.get(ctl.ENV_TOKEN) and os.environ.get(ctl.ENV_DIR)
+    spec = explicit if explicit is not None else os.environ.get(ctl.ENV_DIR)
+    if launched or spec is None or not str(spec).startswith("s3://"):
+        return default_dir(explicit), None
+    return split_location(spec)
 
 
 def _env_count(name: str) -> int:

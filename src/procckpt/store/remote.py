@@ -1,0 +1,352 @@
+"""Checkpoints in object storage: ``--dir s3://bucket/prefix`` (AWS S3 and compatible servers).
+
+Object storage has no rename, no lock and no appendable file, so a run on it keeps two places:
+
+- **the local dir** (``$PROCCKPT_LOCAL_DIR``, else ``./procckpt-local/BUCKET/PREFIX``): the lock,
+  the control channel, the journal, and the checkpoints as the engines write and read them
+  (a cache of the remote ones, and where a checkpoint is staged before it is uploaded);
+- **the remote prefix**, which holds the committed checkpoints::
+
+      PREFIX/checkpoints/ckpt-00000007/MANIFEST.json   the commit: put last, only if absent
+      PREFIX/chunks/blake3/ab/ab12...                   every file and chunk, named by its hash
+
+A checkpoint is published once it is committed locally: each of its files (``state.pt``, a
+DMTCP image, a framework's files) and chunks is uploaded, in parallel and in parts for large
+ones, unless the prefix holds it already (content addressing: a frozen base is uploaded once);
+then its manifest is put with ``If-None-Match: *``, so that it appears whole or not at all and
+never replaces another writer's. A kill before that put leaves chunks no manifest lists, which
+the next collection removes. Only then is the checkpoint acknowledged. A resume in a local dir
+that lacks the newest remote checkpoint (another node) downloads it, checking every object
+against its hash, into the local dir first; one that fails is set aside remotely (its manifest
+moved to ``ckpt-N.corrupt/``) like a damaged local checkpoint.
+
+Requests are retried by botocore's standard mode (exponential back-off with jitter, on 500, 503,
+throttling and connection errors; ``AWS_MAX_ATTEMPTS``, default 8); then the operation ends with
+one line naming the URL, and the local checkpoint stays. Credentials and the endpoint come from
+the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws``, ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from ..errors import StorageError, UsageError
+from .chunks import ChunkStore, file_digest
+from .files import fsync_dir, read_small_file
+from .manifest import MANIFEST, CheckpointInfo
+
+__all__ = ["S3Tier", "split_location", "marked_remote", "ENV_LOCAL", "ENV_UPLOAD_PAUSE"]
+
+logger = logging.getLogger(__name__)
+
+#: Where the local dir of a remote checkpoint dir is (default ./procckpt-local/BUCKET/PREFIX).
+ENV_LOCAL = "PROCCKPT_LOCAL_DIR"
+#: A test seam: seconds to wait after each object is uploaded, before the manifest is put (so
+#: that a test can kill a checkpoint's upload in flight).
+ENV_UPLOAD_PAUSE = "PROCCKPT_S3_UPLOAD_PAUSE"
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_MANIFEST_KEY = re.compile(r"/checkpoints/(ckpt-\d{8,})/" + re.escape(MANIFEST) + "$")
+_PART = 64 << 20
+_PARALLEL = 8
+
+
+def split_location(spec: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """(the local dir, the remote URL or None) of a checkpoint dir as the user gave it.
+
+    Raises:
+        UsageError: an ``s3://`` URL without a valid bucket name.
+    """
+    text = str(spec).strip()
+    if not text.startswith("s3://"):
+        return Path(os.path.expanduser(text)), None
+    bucket, _, prefix = text[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    if not _BUCKET.match(bucket) or ".." in prefix.split("/"):
+        raise UsageError(f"bad checkpoint dir {text!r}: expected s3://BUCKET/PREFIX with a valid "
+                         "bucket name")
+    local = os.environ.get(ENV_LOCAL) or Path("procckpt-local", bucket, *prefix.split("/"))
+    return Path(local).absolute(), f"s3://{bucket}/{prefix}".rstrip("/")
+
+
+def marked_remote(marker: Path) -> str | None:
+    """The remote URL a checkpoint dir's marker names, or None."""
+    try:
+        remote = json.loads(read_small_file(marker)).get("remote")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return remote if isinstance(remote, str) else None
+
+
+class S3Tier:
+    """The remote prefix of a checkpoint dir (see the module's docstring)."""
+
+    def __init__(self, url: str) -> None:
+        try:
+            import boto3
+            from boto3.s3.transfer import TransferConfig
+            from botocore.config import Config
+        except ImportError as e:
+            raise StorageError(f"checkpoints in {url} need boto3: pip install 'procckpt[s3]'") \
+                from e
+        self.url = url
+        self.bucket, _, self.prefix = url[len("s3://"):].partition("/")
+        attempts = int(os.environ.get("AWS_MAX_ATTEMPTS") or 8)
+        self._client = boto3.client("s3", config=Config(
+            retries={"mode": "standard", "total_max_attempts": attempts},
+            connect_timeout=10, read_timeout=120, max_pool_connections=4 * _PARALLEL))
+        self._transfer = TransferConfig(multipart_threshold=_PART, multipart_chunksize=_PART,
+                                        max_concurrency=4)
+
+    # -- keys -------------------------------------------------------------------------------
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _manifest_key(self, name: str) -> str:
+        return self._key("checkpoints", name, MANIFEST)
+
+    def _chunk_key(self, chunk_id: str) -> str:
+        algo, hexdigest = chunk_id.split(":")
+        return self._key("chunks", algo, hexdigest[:2], hexdigest)
+
+    @contextlib.contextmanager
+    def _failing(self, what: str) -> Iterator[None]:
+        """Turn the client's failure (after its retries) into procckpt's one line."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            yield
+        except (BotoCoreError, ClientError) as e:
+            brief = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise StorageError(f"{what} {self.url} failed ({brief}); check the endpoint, the "
+                               "credentials and the bucket, then run again: the checkpoints in "
+                               "the local dir are intact") from e
+
+    # -- reading ----------------------------------------------------------------------------
+    def committed(self) -> list[str]:
+        """The names of the checkpoints committed in the prefix, newest first."""
+        names = []
+        with self._failing("listing"):
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key("checkpoints") + "/")
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    found = _MANIFEST_KEY.search("/" + obj["Key"])
+                    if found:
+                        names.append(found.group(1))
+        return sorted(names, key=lambda n: int(n.split("-")[1]), reverse=True)
+
+    def manifest(self, name: str) -> dict[str, Any] | None:
+        """The manifest of remote checkpoint ``name``; None if it is not there or unreadable."""
+        from botocore.exceptions import ClientError
+
+        try:
+            with self._failing("reading a manifest in"):
+                body = self._client.get_object(Bucket=self.bucket,
+                                               Key=self._manifest_key(name))["Body"].read()
+        except StorageError as e:
+            if isinstance(e.__cause__, ClientError) and \
+                    e.__cause__.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        try:
+            manifest = json.loads(body)
+        except ValueError:
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
+    def fetch(self, name: str, ckpt_root: Path, chunks: ChunkStore) -> str | None:
+        """Download remote checkpoint ``name`` into ``ckpt_root`` (its chunks into
+        ``chunks``), every object checked against its hash; None, or why it cannot be used."""
+        manifest = self.manifest(name)
+        objects = (manifest or {}).get("objects")
+        if not isinstance(objects, dict) or set(objects) != set(manifest.get("files", {})):
+            return "its manifest is missing or malformed"
+        tmp = ckpt_root / f".tmp-fetch-{name}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        jobs = [(cid, tmp / file) for file, cid in objects.items()]
+        jobs += [(cid, chunks.path(cid)) for cid, n in (manifest.get("chunks") or {}).items()
+                 if not chunks.has(cid, int(n))]
+        try:
+            with ThreadPoolExecutor(_PARALLEL) as pool:
+                problems = [p for p in pool.map(self._download, jobs) if p]
+            if problems:
+                return problems[0]
+            local = {k: v for k, v in manifest.items() if k != "objects"}
+            (tmp / MANIFEST).write_text(json.dumps(local, indent=1, sort_keys=True))
+            fsync_dir(tmp)
+            os.rename(tmp, ckpt_root / name)
+            fsync_dir(ckpt_root)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return None
+
+    def _download(self, job: tuple[str, Path]) -> str | None:
+        from botocore.exceptions import ClientError
+
+        chunk_id, target = job
+        target.parent.mkdir(parents=True, exist_ok=True)
+        part = target.with_name(f".tmp-{target.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            with self._failing("downloading from"):
+                try:
+                    self._client.download_file(self.bucket, self._chunk_key(chunk_id), str(part),
+                                               Config=self._transfer)
+                except ClientError as e:
+                    if e.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                        return f"object {chunk_id} is missing"
+                    raise
+            if file_digest(part, chunk_id.split(":")[0]) != chunk_id:
+                return f"object {chunk_id} fails its hash (it is corrupt)"
+            os.rename(part, target)
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                part.unlink()
+
+    # -- writing ----------------------------------------------------------------------------
+    def publish(self, info: CheckpointInfo, chunks: ChunkStore) -> None:
+        """Upload checkpoint ``info`` (committed locally) and commit it in the prefix.
+
+        Raises:
+            StorageError: the server could not be reached or refused (after retries), or the
+                prefix has a checkpoint of this name already (another run writes there).
+        """
+        from botocore.exceptions import ClientError
+
+        started = time.monotonic()
+        objects = {name: file_digest(info.file(name)) for name in info.manifest["files"]}
+        jobs = [(cid, info.file(name)) for name, cid in objects.items()]
+        jobs += [(cid, chunks.path(cid)) for cid in info.chunks]
+        with ThreadPoolExecutor(_PARALLEL) as pool:
+            uploaded = sum(pool.map(self._upload, jobs))
+        body = json.dumps({**info.manifest, "objects": objects}, indent=1, sort_keys=True)
+        with self._failing("committing a checkpoint to"):
+            try:
+                self._client.put_object(Bucket=self.bucket, Key=self._manifest_key(info.name),
+                                        Body=body.encode(), IfNoneMatch="*")
+            except ClientError as e:
+                if e.response["Error"]["Code"] != "PreconditionFailed":
+                    raise
+                raise StorageError(f"{self.url} has a checkpoint {info.name} already: another "
+                                   "run writes there; give each run its own prefix") from e
+        logger.debug("%s published to %s: %d object(s), %.1f MB uploaded in %.2fs", info.name,
+                     self.url, len(jobs), uploaded / 1e6, time.monotonic() - started)
+
+    def _upload(self, job: tuple[str, Path]) -> int:
+        """Upload one object unless the prefix has it; the bytes uploaded."""
+        from botocore.exceptions import ClientError
+
+        chunk_id, path = job
+        size = os.stat(path).st_size
+        key = self._chunk_key(chunk_id)
+        with self._failing("uploading to"):
+            try:
+                if self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"] == size:
+                    return 0
+            except ClientError as e:
+                if e.response["Error"]["Code"] not in ("NoSuchKey", "404", "NotFound"):
+                    raise
+            self._client.upload_file(str(path), self.bucket, key, Config=self._transfer)
+        time.sleep(float(os.environ.get(ENV_UPLOAD_PAUSE) or 0))
+        return size
+
+    def fetch_newer(self, newest_local: int, ckpt_root: Path, chunks: ChunkStore) -> None:
+        """Download the newest remote checkpoint when it is newer than every local one (the
+        local dir is new, or another node wrote since); each that fails is set aside."""
+        for name in self.committed():
+            if int(name.split("-")[1]) <= newest_local:
+                return
+            problem = self.fetch(name, ckpt_root, chunks)
+            if problem is None:
+                logger.info("%s fetched from %s", name, self.url)
+                return
+            self.set_aside(name, problem)
+
+    def completion(self) -> dict[str, Any] | None:
+        """What ``PREFIX/COMPLETE`` says (the run finished), or None."""
+        from botocore.exceptions import ClientError
+
+        try:
+            with self._failing("reading the completion marker in"):
+                body = self._client.get_object(Bucket=self.bucket,
+                                               Key=self._key("COMPLETE"))["Body"].read()
+        except StorageError as e:
+            if isinstance(e.__cause__, ClientError) and \
+                    e.__cause__.response["Error"]["Code"] in ("NoSuchKey", "404"):
+                return None
+            raise
+        try:
+            record = json.loads(body)
+        except ValueError:
+            record = None
+        return record if isinstance(record, dict) else {"time": time.time()}
+
+    def mark_complete(self, record: bytes) -> None:
+        with self._failing("writing the completion marker to"):
+            self._client.put_object(Bucket=self.bucket, Key=self._key("COMPLETE"), Body=record)
+
+    # -- keep N, set aside, collect ------------------------------------------------------------
+    def prune(self, keep: set[str]) -> None:
+        """Uncommit every remote checkpoint not in ``keep``, then remove the objects that no
+        remaining manifest (set-aside ones included) lists. Manifests go first, so a crash in
+        between leaves objects to collect later, never a manifest without its objects."""
+        names = self.committed()
+        doomed = [n for n in names if n not in keep]
+        with self._failing("pruning"):
+            if doomed:
+                self._delete([self._manifest_key(n) for n in doomed])
+            listed: set[str] = set()
+            for name in [n for n in names if n in keep] + self._set_aside():
+                manifest = self.manifest(name) or {}
+                listed.update((manifest.get("objects") or {}).values())
+                listed.update(manifest.get("chunks") or {})
+            stale = []
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key("chunks") + "/")
+            for page in pages:
+                for obj in page.get("Contents", []):
+                    parts = obj["Key"].split("/")
+                    if f"{parts[-3]}:{parts[-1]}" not in listed:
+                        stale.append(obj["Key"])
+            if stale:
+                self._delete(stale)
+
+    def _set_aside(self) -> list[str]:
+        names = []
+        pages = self._client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._key("checkpoints") + "/")
+        for page in pages:
+            for obj in page.get("Contents", []):
+                found = re.search(r"/(ckpt-\d{8,}\.corrupt)/" + re.escape(MANIFEST) + "$",
+                                  "/" + obj["Key"])
+                if found:
+                    names.append(found.group(1))
+        return names
+
+    def set_aside(self, name: str, problem: str) -> None:
+        """Move remote checkpoint ``name``'s manifest aside (``ckpt-N.corrupt``)."""
+        if name not in self.committed():
+            return
+        with self._failing("setting a damaged checkpoint aside in"):
+            self._client.copy_object(Bucket=self.bucket, Key=self._manifest_key(name + ".corrupt"),
+                                     CopySource={"Bucket": self.bucket,
+                                                 "Key": self._manifest_key(name)})
+            self._delete([self._manifest_key(name)])
+        logger.warning("%s/checkpoints/%s set aside: %s", self.url, name, problem)
+
+    def _delete(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            self._client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})

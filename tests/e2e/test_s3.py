@@ -1,0 +1,191 @@
+"""Checkpoints in object storage (``--dir s3://BUCKET/PREFIX``, store/remote.py) against a real
+S3-compatible server on loopback (moto's server mode; a proxy in front of it answers 503 where a
+test says): time-limit cycles end bit-identical with keep-N there; a new node resumes from the
+prefix and falls back past a damaged checkpoint; a SIGKILL during an upload leaves no manifest
+that lists a missing object, and nothing once the next run collects; a server that answers 503
+is retried, one that stays down ends the run with one line and the local checkpoint intact."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..harness.s3_server import FlakyProxy, bucket, moto_server, s3_env
+from .test_frameworks import events
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None,
+    reason="needs boto3 and moto's server (pip install boto3 'moto[server]')")
+
+SCRIPT = EXAMPLES / "finetune_frozen.py"
+BUCKET = "procckpt-tests"
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    with moto_server() as url:
+        bucket(url, BUCKET)
+        yield url
+
+
+@functools.lru_cache(maxsize=None)
+def client(endpoint: str):
+    import boto3
+
+    env = s3_env(endpoint)
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+                        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+                        region_name=env["AWS_DEFAULT_REGION"])
+
+
+def keys(endpoint: str, prefix: str) -> list[str]:
+    pages = client(endpoint).get_paginator("list_objects_v2").paginate(Bucket=BUCKET,
+                                                                       Prefix=prefix + "/")
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def manifests(endpoint: str, prefix: str) -> dict[str, dict]:
+    out = {}
+    s3 = client(endpoint)
+    for key in keys(endpoint, prefix):
+        if key.endswith("/MANIFEST.json"):
+            try:
+                body = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            except s3.exceptions.NoSuchKey:  # pruned since it was listed
+                continue
+            out[key.split("/")[-2]] = json.loads(body)
+    return out
+
+
+def dangling(endpoint: str, prefix: str) -> set[str]:
+    """Objects under chunks/ that no manifest (set-aside ones included) lists (the objects
+    are listed first: one uploaded meanwhile does not count)."""
+    stored = {f"{k.split('/')[-3]}:{k.split('/')[-1]}" for k in keys(endpoint, prefix)
+              if "/chunks/" in k}
+    listed = set()
+    for m in manifests(endpoint, prefix).values():
+        listed |= set(m["objects"].values()) | set(m.get("chunks") or {})
+    return stored - listed
+
+
+def reference(workdir: Path, *args: str) -> Path:
+    out = workdir / "reference.pt"
+    res = run([PYTHON, str(SCRIPT), *args, "--ckpt-dir", str(workdir / "ref-ckpt"), "--out",
+               str(out)], cwd=workdir)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return out
+
+
+def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path, endpoint):
+    expected = reference(workdir, "--epochs", "10")
+    out = workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/cycles", "--keep", "2",
+               "--time-limit", "15s", "--grace", "4s", "--interval", "2s",
+               "--max-restarts", "40", "--", PYTHON, str(SCRIPT), "--epochs", "10",
+               "--step-sleep", "0.12", "--out", str(out)],
+              cwd=workdir, env=s3_env(endpoint), timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    local = workdir / "procckpt-local" / BUCKET / "cycles"
+    assert f"checkpoints go to s3://{BUCKET}/cycles; the lock, control channel and journal " \
+           f"stay in {local}" in res.stderr, res.stderr[-3000:]
+    assert len([e for e in events(local, "restart") if e["cause"] == "deadline"]) >= 2
+    assert_bit_identical(expected, out)
+    remote = manifests(endpoint, "cycles")
+    assert len(remote) == 2, sorted(remote)  # --keep 2, there as here
+    assert sorted(remote) == sorted(p.name for p in (local / "checkpoints").iterdir())
+    assert not dangling(endpoint, "cycles")
+    assert any(k.endswith("/COMPLETE") for k in keys(endpoint, "cycles"))
+    status = run([*procckpt_argv(), "status", f"s3://{BUCKET}/cycles"], cwd=workdir,
+                 env=s3_env(endpoint))
+    assert status.returncode == 0, status.stderr
+    assert f"remote:         s3://{BUCKET}/cycles: {', '.join(sorted(remote, reverse=True))}" \
+        in status.stdout, status.stdout
+
+
+def test_a_new_node_resumes_from_s3_falling_back_past_a_damaged_checkpoint(workdir: Path,
+                                                                           endpoint):
+    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/node"}
+    first = run([PYTHON, str(SCRIPT), "--epochs", "3"], cwd=workdir,
+                env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
+    assert first.returncode == 0, first.stderr[-3000:]
+    remote = manifests(endpoint, "node")
+    assert sorted(remote) == ["ckpt-00000002", "ckpt-00000003"]
+    s3 = client(endpoint)
+    state = remote["ckpt-00000003"]["objects"]["state.pt"]
+    algo, hexdigest = state.split(":")
+    s3.put_object(Bucket=BUCKET, Key=f"node/chunks/{algo}/{hexdigest[:2]}/{hexdigest}",
+                  Body=b"\0" * remote["ckpt-00000003"]["files"]["state.pt"]["bytes"])
+    s3.delete_object(Bucket=BUCKET, Key="node/COMPLETE")  # train on: 2 more epochs
+
+    out = workdir / "out.pt"
+    second = run([PYTHON, str(SCRIPT), "--epochs", "4", "--out", str(out)], cwd=workdir,
+                 env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "ckpt-00000003 set aside: object" in second.stderr, second.stderr[-3000:]
+    assert "resumed from ckpt-00000002" in second.stderr, second.stderr[-3000:]
+    assert_bit_identical(reference(workdir, "--epochs", "4"), out)
+    assert "ckpt-00000003.corrupt" in manifests(endpoint, "node")
+
+
+def test_a_sigkill_during_an_upload_leaves_the_last_committed_and_nothing_after(workdir: Path,
+                                                                                 endpoint):
+    env = {**os.environ, **s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/killed",
+           "PROCCKPT_LOCAL_DIR": str(workdir / "node-a"), "PROCCKPT_S3_UPLOAD_PAUSE": "0.5"}
+    proc = subprocess.Popen([PYTHON, str(SCRIPT), "--epochs", "30"], cwd=workdir, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        # The first checkpoint committed, then an object of a later one uploaded before its
+        # manifest: the upload is in flight.
+        while not (manifests(endpoint, "killed") and dangling(endpoint, "killed")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no upload in flight"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    committed = max(manifests(endpoint, "killed"))
+    assert dangling(endpoint, "killed")  # what the killed upload left
+
+    # Another node: it resumes from what the prefix committed, and its run collects the rest.
+    again = run([PYTHON, str(SCRIPT), "--epochs", "30"], cwd=workdir,
+                env={**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/killed",
+                     "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {committed}" in again.stderr, again.stderr[-3000:]
+    assert not dangling(endpoint, "killed")
+
+
+def test_503s_are_retried_and_a_server_that_stays_down_ends_the_run_in_one_line(workdir: Path,
+                                                                               endpoint):
+    with FlakyProxy(endpoint, fail_every=3) as proxy:
+        env = {**s3_env(proxy.endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/flaky"}
+        res = run([PYTHON, str(SCRIPT), "--epochs", "3"], cwd=workdir, env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert proxy.refused >= 5, proxy.refused
+        assert sorted(manifests(endpoint, "flaky")) == ["ckpt-00000002", "ckpt-00000003"]
+
+        proxy.down = True  # every request answered 503 from now on
+        client(endpoint).delete_object(Bucket=BUCKET, Key="flaky/COMPLETE")
+        local = workdir / "procckpt-local" / BUCKET / "flaky"
+        (local / "COMPLETE").unlink()  # train on: the run reads the prefix first
+        down = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/flaky", "--", PYTHON,
+                    str(SCRIPT), "--epochs", "5"], cwd=workdir,
+                   env={**s3_env(proxy.endpoint), "AWS_MAX_ATTEMPTS": "2"})
+    assert down.returncode == 74, down.stderr[-3000:]
+    assert "Traceback" not in down.stderr, down.stderr[-3000:]
+    errors = [line for line in down.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"s3://{BUCKET}/flaky failed" in errors[0], errors
+    assert sorted(p.name for p in (local / "checkpoints").iterdir()) == [
+        "ckpt-00000002", "ckpt-00000003"]  # nothing lost locally
