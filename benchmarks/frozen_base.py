@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+os.environ.setdefault("PROCCKPT_LOG_LEVEL", "WARNING")  # the tables, not a line per checkpoint
+
 from bench import TensorState, drop_cache, human, median, parse_size  # benchmarks/ is sys.path[0]
 
 from procckpt import Checkpointer

@@ -36,7 +36,7 @@ class Benchmark:
     title: str
     args: tuple[str, ...]
     quick: tuple[str, ...]
-    needs: str | None = None  # "cuda" or "dmtcp"
+    needs: str | None = None  # "cuda", "dmtcp" or "moto"
 
 
 BENCHMARKS = (
@@ -60,6 +60,9 @@ BENCHMARKS = (
               ("--cycles", "3", "--time-limit", "60"), ("--cycles", "1", "--time-limit", "20")),
     Benchmark("frozen_base", "Frozen weights written once: 95% frozen, and nothing frozen",
               ("--size", "1GiB", "--repeats", "5"), ("--size", "32MiB", "--repeats", "1")),
+    Benchmark("s3_store", "Checkpoints in S3 (moto's server on loopback) against the local disk",
+              ("--size", "256MiB", "--repeats", "5"), ("--size", "8MiB", "--repeats", "1"),
+              needs="moto"),
     Benchmark("dmtcp_images", "DMTCP's process images against a raw write", (),
               ("--mb", "8", "--reps", "1"), needs="dmtcp"),
     Benchmark("gpu_checkpoint", "GPU-resident state, beside DCP async_save, 1 GiB",
@@ -73,6 +76,11 @@ def missing(need: str | None) -> str | None:
     """Why a benchmark cannot run here, or None."""
     if need == "dmtcp" and shutil.which("dmtcp_launch") is None:
         return "no dmtcp_launch on PATH (docs/dmtcp.md says how to install DMTCP)"
+    if need == "moto":
+        import importlib.util
+
+        if importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None:
+            return "no moto server or boto3 (pip install boto3 'moto[server]')"
     if need == "cuda":
         import torch
 

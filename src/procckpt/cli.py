@@ -238,8 +238,10 @@ def report(directory: str, output: str | None) -> None:
         procckpt report procckpt-checkpoints -o run.html   # then open it, or scp it home
     """
     from .inspect.report import write_report
+    from .store.remote import split_location
 
-    path = write_report(Path(directory), Path(output) if output else None)
+    local, _ = split_location(directory)  # s3://...: its local dir holds the journal
+    path = write_report(local, Path(output) if output else None)
     click.echo(f"wrote {path}")
 
 

@@ -35,7 +35,8 @@ def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identi
     # 15 s cycles, each of which starts torch first.
     sleep = "0.12" if launch == "python" else "0.25"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "15s",
-               "--grace", "4s", "--interval", "2s", "--max-restarts", "40", "--",
+               "--grace", "4s", "--interval", "2s", "--engine", "hooks", "--max-restarts", "40",
+               "--",
                *command, str(SCRIPT), *ARGS, "--step-sleep", sleep, "--out", str(out)],
               cwd=workdir, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -61,3 +62,5 @@ def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identi
     assert header[3:5] == ["SIZE", "WRITTEN"], status.stdout
     # SIZE and WRITTEN, two words each: 4.4 MB of state, some hundreds of KB written.
     assert all(r[4] == "MB" and r[6] == "KB" and r[-1] == "yes" for r in rows), status.stdout
+    report = run([*procckpt_argv(), "report", str(ckpt)], cwd=workdir)
+    assert report.returncode == 0 and (ckpt / "report.html").is_file(), report.stderr

@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -86,30 +87,42 @@ def reference(workdir: Path, *args: str) -> Path:
     return out
 
 
-def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path, endpoint):
-    expected = reference(workdir, "--epochs", "10")
-    out = workdir / "out.pt"
-    res = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/cycles", "--keep", "2",
-               "--time-limit", "15s", "--grace", "4s", "--interval", "2s",
-               "--max-restarts", "40", "--", PYTHON, str(SCRIPT), "--epochs", "10",
-               "--step-sleep", "0.12", "--out", str(out)],
+@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path, endpoint,
+                                                                  launch: str):
+    """Under torchrun (DDP, 2 gloo ranks) rank 0 publishes; both ranks of a resumed cycle
+    share the node's local dir, where the first to fetch a checkpoint places it."""
+    command = [PYTHON] if launch == "python" else [
+        PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    expected = workdir / "reference.pt"
+    ref = run([*command, str(SCRIPT), "--epochs", "10", "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out, prefix = workdir / "out.pt", f"cycles-{launch}"
+    res = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/{prefix}", "--keep", "2",
+               "--time-limit", "15s", "--grace", "4s", "--interval", "2s", "--engine", "hooks",
+               "--max-restarts", "40", "--", *command, str(SCRIPT), "--epochs", "10",
+               "--step-sleep", "0.12" if launch == "python" else "0.25", "--out", str(out)],
               cwd=workdir, env=s3_env(endpoint), timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    local = workdir / "procckpt-local" / BUCKET / "cycles"
-    assert f"checkpoints go to s3://{BUCKET}/cycles; the lock, control channel and journal " \
+    local = workdir / "procckpt-local" / BUCKET / prefix
+    assert f"checkpoints go to s3://{BUCKET}/{prefix}; the lock, control channel and journal " \
            f"stay in {local}" in res.stderr, res.stderr[-3000:]
     assert len([e for e in events(local, "restart") if e["cause"] == "deadline"]) >= 2
     assert_bit_identical(expected, out)
-    remote = manifests(endpoint, "cycles")
+    remote = manifests(endpoint, prefix)
     assert len(remote) == 2, sorted(remote)  # --keep 2, there as here
     assert sorted(remote) == sorted(p.name for p in (local / "checkpoints").iterdir())
-    assert not dangling(endpoint, "cycles")
-    assert any(k.endswith("/COMPLETE") for k in keys(endpoint, "cycles"))
-    status = run([*procckpt_argv(), "status", f"s3://{BUCKET}/cycles"], cwd=workdir,
+    assert not dangling(endpoint, prefix)
+    assert any(k.endswith("/COMPLETE") for k in keys(endpoint, prefix))
+    status = run([*procckpt_argv(), "status", f"s3://{BUCKET}/{prefix}"], cwd=workdir,
                  env=s3_env(endpoint))
     assert status.returncode == 0, status.stderr
-    assert f"remote:         s3://{BUCKET}/cycles: {', '.join(sorted(remote, reverse=True))}" \
+    assert f"remote:         s3://{BUCKET}/{prefix}: {', '.join(sorted(remote, reverse=True))}" \
         in status.stdout, status.stdout
+    report = run([*procckpt_argv(), "report", f"s3://{BUCKET}/{prefix}"], cwd=workdir,
+                 env=s3_env(endpoint))
+    assert report.returncode == 0 and (local / "report.html").is_file(), report.stderr
 
 
 def test_a_new_node_resumes_from_s3_falling_back_past_a_damaged_checkpoint(workdir: Path,
@@ -189,3 +202,32 @@ def test_503s_are_retried_and_a_server_that_stays_down_ends_the_run_in_one_line(
     assert len(errors) == 1 and f"s3://{BUCKET}/flaky failed" in errors[0], errors
     assert sorted(p.name for p in (local / "checkpoints").iterdir()) == [
         "ckpt-00000002", "ckpt-00000003"]  # nothing lost locally
+
+
+@pytest.mark.skipif(shutil.which("dmtcp_launch") is None,
+                    reason="DMTCP is not installed (no dmtcp_launch on PATH)")
+def test_dmtcp_images_go_through_s3_and_a_new_node_restarts_from_them(workdir: Path, endpoint):
+    """The DMTCP engine's images are a checkpoint's files like any other: uploaded by hash,
+    committed by the manifest; a fresh local dir (another node) restores from the prefix."""
+    from .test_dmtcp import LOOP, loop_reference, steps
+
+    expected = loop_reference(workdir, 200)
+    env = s3_env(endpoint)
+    argv = [*procckpt_argv(), "run", "--engine", "dmtcp", "--dir", f"s3://{BUCKET}/dmtcp",
+            "--time-limit", "8s", "--grace", "3s", "--max-restarts", "0", "--"]
+    command = [*LOOP, "--steps", "200", "--ballast-mb", "16", "--out", "out.txt"]
+    # One cycle on node A (no restart allowed: it stops after its image), then node B.
+    first = run([*argv, *command], cwd=workdir,
+                env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
+    saved = manifests(endpoint, "dmtcp")
+    assert len(saved) == 1 and list(saved.values())[0]["engine"] == "dmtcp", \
+        first.stderr[-3000:]
+    images = list(saved.values())[0]["dmtcp"]["images"]
+    assert images and all(name in list(saved.values())[0]["objects"] for name in images)
+    second = run([*argv[:-3], "--max-restarts", "20", "--", *command], cwd=workdir,
+                 env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "fetched from s3://" in second.stderr, second.stderr[-3000:]
+    done = steps(first.stdout) + steps(second.stdout)
+    assert done == list(range(1, 201)), done  # node B went on from node A's image
+    assert (workdir / "out.txt").read_text().split()[:2] == expected

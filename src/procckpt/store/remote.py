@@ -185,7 +185,12 @@ class S3Tier:
             local = {k: v for k, v in manifest.items() if k != "objects"}
             (tmp / MANIFEST).write_text(json.dumps(local, indent=1, sort_keys=True))
             fsync_dir(tmp)
-            os.rename(tmp, ckpt_root / name)
+            try:
+                os.rename(tmp, ckpt_root / name)
+            except OSError:
+                if not (ckpt_root / name).is_dir():
+                    raise
+                return None  # another rank on this node fetched it first: the same bytes
             fsync_dir(ckpt_root)
         finally:
             if tmp.exists():

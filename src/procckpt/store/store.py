@@ -132,8 +132,9 @@ class CheckpointStore(Completion):
                                      "no links inside its checkpoint dir: remove it and run again")
             marker = root / MARKER
             if not marker.exists():
-                write_file_atomic(marker, json.dumps({"format": FORMAT_VERSION, "created": time.time(),
-                                                      "remote": self.remote_url}).encode())
+                write_file_atomic(marker, json.dumps({
+                    "format": FORMAT_VERSION, "created": time.time(),
+                    "remote": self.remote_url}).encode())
             probe = root / f".tmp-probe-{os.getpid()}-{uuid.uuid4().hex[:6]}"
             probe.write_bytes(b"")
             probe.unlink()
