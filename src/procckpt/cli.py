@@ -96,6 +96,7 @@ def run_command(config: RunConfig) -> int:
             if archived is not None:
                 logger.info("--force: earlier checkpoints moved to %s", archived)
         store.clean_temporaries()
+        store.fetch_remote()  # a new node: its newest checkpoint is in the prefix
         engine = _engine_for(config, store)
         deadline, policy = _deadline_and_policy(config)
         result = Supervisor(config, store, engine, deadline, policy).run()

@@ -231,3 +231,26 @@ def test_dmtcp_images_go_through_s3_and_a_new_node_restarts_from_them(workdir: P
     done = steps(first.stdout) + steps(second.stdout)
     assert done == list(range(1, 201)), done  # node B went on from node A's image
     assert (workdir / "out.txt").read_text().split()[:2] == expected
+
+
+def test_two_runs_on_one_prefix_never_replace_each_others_checkpoints(workdir: Path, endpoint,
+                                                                      monkeypatch):
+    """The manifest put is conditional (If-None-Match: *): the second run's checkpoint of the
+    same name is refused, with what to do, and the first one's stays."""
+    import torch
+
+    from procckpt.errors import StorageError
+    from procckpt.store import CheckpointStore
+    from procckpt.training.io.writer import write_checkpoint
+
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{BUCKET}/shared"
+    first = CheckpointStore(workdir / "a", remote=url).open()
+    write_checkpoint(first, {"step": 1}, {"w": torch.ones(4)})
+    second = CheckpointStore(workdir / "b", remote=url).open()
+    with pytest.raises(StorageError, match="has a checkpoint ckpt-00000001 already: another run "
+                                           "writes there; give each run its own prefix"):
+        write_checkpoint(second, {"step": 7}, {"w": torch.zeros(4)})
+    assert manifests(endpoint, "shared")["ckpt-00000001"]["step"] == 1
+    assert (workdir / "b" / "checkpoints" / "ckpt-00000001").is_dir()  # kept locally
