@@ -5,6 +5,8 @@ weights to ``--out``. Under torchrun with ``--ddp``: DDP over gloo, one CPU proc
 ``--fsdp``: FSDP2 (``ModelParallelStrategy``, ``fully_shard`` in ``configure_model``), each rank
 holding and saving half of the model and optimizer state.
 
+With ``--frozen-base``, the classifier sits on a frozen encoder (its weights do not train):
+procckpt writes those once, into chunks every later checkpoint shares.
 Prints "resume_from PATH" (or "resume_from -") and "step N" after each training step.
 
     procckpt run --time-limit 1m -- python examples/lightning_train.py --epochs 5
@@ -29,14 +31,25 @@ from procckpt.integrations.lightning import ProcckptCallback
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, step_sleep: float, hang_at_step: int | None, marker: Path) -> None:
+    def __init__(self, step_sleep: float, hang_at_step: int | None, marker: Path,
+                 frozen_base: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2))
+        width = 8
+        self.base = None
+        if frozen_base:  # a stand-in for a pretrained encoder
+            width = 256
+            self.base = nn.Sequential(nn.Linear(8, width), nn.ReLU(), nn.Linear(width, width))
+            self.base.requires_grad_(False)
+        self.net = nn.Sequential(nn.Linear(width, 32), nn.ReLU(), nn.Dropout(0.3),
+                                 nn.Linear(32, 2))
         self.step_sleep, self.hang_at_step, self.marker = step_sleep, hang_at_step, marker
+
+    def forward(self, x):
+        return self.net(x if self.base is None else self.base(x))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self(x), y)
         if self.step_sleep:
             time.sleep(self.step_sleep)
         step = self.trainer.global_step + 1
@@ -61,7 +74,7 @@ class Classifier(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
@@ -74,10 +87,12 @@ def main() -> None:
     parser = framework_common.parser()
     parser.add_argument("--fsdp", action="store_true",
                         help="FSDP2 over the ranks of torchrun (ModelParallelStrategy)")
+    parser.add_argument("--frozen-base", action="store_true",
+                        help="a frozen encoder under the classifier (written once)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
-    model = Classifier(args.step_sleep, args.hang_at_step, Path("hung-once"))
+    model = Classifier(args.step_sleep, args.hang_at_step, Path("hung-once"), args.frozen_base)
     train = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True, num_workers=args.workers)
     val = DataLoader(framework_common.NoisyBlobs(32, seed=2), batch_size=16)
 

@@ -7,6 +7,7 @@ lists. The same under torchrun (DDP over 2 gloo ranks), where rank 0 writes the 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -64,3 +65,27 @@ def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identi
     assert all(r[4] == "MB" and r[6] == "KB" and r[-1] == "yes" for r in rows), status.stdout
     report = run([*procckpt_argv(), "report", str(ckpt)], cwd=workdir)
     assert report.returncode == 0 and (ckpt / "report.html").is_file(), report.stderr
+
+
+def test_lightning_shares_a_frozen_encoder_across_checkpoints_and_resumes_bit_identical(
+        workdir: Path):
+    """Lightning loads ``state.pt`` itself (``fit(ckpt_path=cb.resume_from)``): the callback
+    gives its strategy a checkpoint I/O that puts the frozen weights back."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (pip install 'procckpt[lightning]')")
+    script = [PYTHON, str(EXAMPLES / "lightning_train.py"), "--frozen-base"]
+    expected = workdir / "reference.pt"
+    ref = run([*script, "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--interval", "2s", "--max-restarts", "40", "--",
+               *script, "--step-sleep", "0.5", "--out", str(out)], cwd=workdir, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
+    frozen = 256 * 256 * 4  # the encoder's second layer (its first is under 64 KiB)
+    first, *later = events(ckpt, "checkpoint")
+    assert first["written"] == first["bytes"] > frozen
+    assert later and all(e["written"] <= e["bytes"] - frozen for e in later), later
+    assert_bit_identical(expected, out)

@@ -28,6 +28,7 @@ import os
 import shutil
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 try:
@@ -42,10 +43,11 @@ except ImportError:  # the older package name
 from torch.utils.data import DataLoader
 
 from ..errors import ProcckptError
-from ..store import PendingCheckpoint
+from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.distributed import Sharded
 from ..training.driven import DrivenLoop, kept_apart, positioned
+from ..training.io.frozen import resolve_chunks
 from ..training.payload import PAYLOAD
 from ._common import checkpointer_resumed_from, newest_verified
 
@@ -98,6 +100,9 @@ class ProcckptCallback(pl.Callback):
         ckpt = checkpointer_resumed_from(self._chosen, **self._settings, **statefuls)
         if shards:
             ckpt.store.adopt = _add_metadata_file
+        else:  # state.pt may hold frozen weights as chunks (training/io/frozen.py)
+            trainer.strategy.checkpoint_io = _ChunksPutBack(trainer.strategy.checkpoint_io,
+                                                            ckpt.store)
         self.checkpointer = ckpt
         self._loop = DrivenLoop(ckpt)
         _position_train_loader(trainer, self._loop)
@@ -145,6 +150,38 @@ class _TrainerState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass  # never called: Lightning loads resume_from itself
+
+    def procckpt_modules(self) -> list[Any]:
+        """The model whose frozen parameters procckpt writes once (training/io/frozen.py);
+        Lightning reads them back through :class:`_ChunksPutBack`."""
+        return [] if self._sharded else [self._trainer.lightning_module]
+
+
+class _ChunksPutBack(pl.plugins.CheckpointIO):
+    """The strategy's checkpoint I/O, but a procckpt ``state.pt`` it loads gets the frozen
+    weights that procckpt stored once put back in place of their placeholders."""
+
+    def __init__(self, inner: Any, store: CheckpointStore) -> None:
+        self._inner = inner
+        self._store = store
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, **kwargs: Any) -> Any:
+        checkpoint = self._inner.load_checkpoint(path, map_location=map_location, **kwargs)
+        folder = Path(path).absolute().parent
+        if folder.parent == self._store.ckpt_root and Path(path).name == PAYLOAD:
+            manifest = self._store._read_manifest(folder) or {}
+            info = CheckpointInfo(folder, 0, manifest)
+            checkpoint = resolve_chunks(checkpoint, info.chunk_store, info.chunks)
+        return checkpoint
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self._inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self._inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self._inner.teardown()
 
 
 class _LightningShards(Sharded):

@@ -59,8 +59,18 @@ def frozen_chunks(store: CheckpointStore, statefuls: dict[str, Any],
     ``PROCCKPT_FROZEN_ONCE=0``."""
     if not is_writer or not FROZEN_ONCE.read():
         return None
-    modules = [obj for obj in statefuls.values() if isinstance(obj, torch.nn.Module)]
-    return FrozenChunks(modules, store.chunks) if modules else None
+    if not any(isinstance(obj, torch.nn.Module) or hasattr(obj, "procckpt_modules")
+               for obj in statefuls.values()):
+        return None
+
+    def modules() -> list[torch.nn.Module]:  # a framework's model may come later
+        found = [obj for obj in statefuls.values() if isinstance(obj, torch.nn.Module)]
+        for obj in statefuls.values():
+            if hasattr(obj, "procckpt_modules"):
+                found += obj.procckpt_modules()
+        return found
+
+    return FrozenChunks(modules, store.chunks)
 
 
 class Saves:

@@ -26,7 +26,7 @@ checkpoint of each process hashes everything (the store still writes only what i
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -114,7 +114,7 @@ class FrozenChunks:
 
     verify_every = VERIFY_EVERY  # a seam for tests
 
-    def __init__(self, modules: list[torch.nn.Module], chunks: ChunkStore) -> None:
+    def __init__(self, modules: Callable[[], list[torch.nn.Module]], chunks: ChunkStore) -> None:
         self._modules = modules
         self._chunks = chunks
         self._stored: dict[int, _Stored] = {}
@@ -125,7 +125,7 @@ class FrozenChunks:
     def plan(self, payload: Any) -> ChunkPlan:
         """Decide, for the state of this checkpoint, which frozen tensors are referenced,
         which are hashed and stored, and which stay in ``state.pt``."""
-        frozen = {p.untyped_storage().data_ptr(): p for m in self._modules
+        frozen = {p.untyped_storage().data_ptr(): p for m in self._modules()
                   for p in m.parameters()
                   if not p.requires_grad and type(p.data) is torch.Tensor}  # no DTensor
         if not frozen:
