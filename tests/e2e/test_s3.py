@@ -183,9 +183,13 @@ def test_a_sigkill_during_an_upload_leaves_the_last_committed_and_nothing_after(
 def test_503s_are_retried_and_a_server_that_stays_down_ends_the_run_in_one_line(workdir: Path,
                                                                                endpoint):
     with FlakyProxy(endpoint, fail_every=3) as proxy:
-        env = {**s3_env(proxy.endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/flaky"}
+        # 8 tries a request: one of them goes through (uploads run in parallel, so a
+        # request may meet the refused third several times in a row, but not 8).
+        env = {**s3_env(proxy.endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/flaky",
+               "AWS_MAX_ATTEMPTS": "8"}
         res = run([PYTHON, str(SCRIPT), "--epochs", "3"], cwd=workdir, env=env)
         assert res.returncode == 0, res.stderr[-3000:]
+        assert "failed" not in res.stderr, res.stderr[-3000:]
         assert proxy.refused >= 5, proxy.refused
         assert sorted(manifests(endpoint, "flaky")) == ["ckpt-00000002", "ckpt-00000003"]
 

@@ -148,22 +148,25 @@ class S3Tier:
 
     def manifest(self, name: str) -> dict[str, Any] | None:
         """The manifest of remote checkpoint ``name``; None if it is not there or unreadable."""
+        body = self._get(self._manifest_key(name), "reading a manifest in")
+        try:
+            manifest = json.loads(body) if body is not None else None
+        except ValueError:
+            return None
+        return manifest if isinstance(manifest, dict) else None
+
+    def _get(self, key: str, what: str) -> bytes | None:
+        """The object at ``key``; None if there is none."""
         from botocore.exceptions import ClientError
 
         try:
-            with self._failing("reading a manifest in"):
-                body = self._client.get_object(Bucket=self.bucket,
-                                               Key=self._manifest_key(name))["Body"].read()
+            with self._failing(what):
+                return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
         except StorageError as e:
             if isinstance(e.__cause__, ClientError) and \
                     e.__cause__.response["Error"]["Code"] in ("NoSuchKey", "404"):
                 return None
             raise
-        try:
-            manifest = json.loads(body)
-        except ValueError:
-            return None
-        return manifest if isinstance(manifest, dict) else None
 
     def fetch(self, name: str, ckpt_root: Path, chunks: ChunkStore) -> str | None:
         """Download remote checkpoint ``name`` into ``ckpt_root`` (its chunks into
@@ -281,17 +284,9 @@ class S3Tier:
 
     def completion(self) -> dict[str, Any] | None:
         """What ``PREFIX/COMPLETE`` says (the run finished), or None."""
-        from botocore.exceptions import ClientError
-
-        try:
-            with self._failing("reading the completion marker in"):
-                body = self._client.get_object(Bucket=self.bucket,
-                                               Key=self._key("COMPLETE"))["Body"].read()
-        except StorageError as e:
-            if isinstance(e.__cause__, ClientError) and \
-                    e.__cause__.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                return None
-            raise
+        body = self._get(self._key("COMPLETE"), "reading the completion marker in")
+        if body is None:
+            return None
         try:
             record = json.loads(body)
         except ValueError:
@@ -303,11 +298,13 @@ class S3Tier:
             self._client.put_object(Bucket=self.bucket, Key=self._key("COMPLETE"), Body=record)
 
     # -- keep N, set aside, collect ------------------------------------------------------------
-    def prune(self, keep: set[str]) -> None:
-        """Uncommit every remote checkpoint not in ``keep``, then remove the objects that no
-        remaining manifest (set-aside ones included) lists. Manifests go first, so a crash in
-        between leaves objects to collect later, never a manifest without its objects."""
+    def prune(self, newest: int, also: set[str]) -> None:
+        """Uncommit every remote checkpoint but the ``newest`` N and those named in ``also``
+        (the local dir's kept ones: the best, say), then remove the objects that no remaining
+        manifest (set-aside ones included) lists. Manifests go first, so a crash in between
+        leaves objects to collect later, never a manifest without its objects."""
         names = self.committed()
+        keep = set(names[:newest]) | also
         doomed = [n for n in names if n not in keep]
         with self._failing("pruning"):
             if doomed:

@@ -242,8 +242,8 @@ class CheckpointStore(Completion):
                 shutil.rmtree(doomed, ignore_errors=True)
                 removed.append(info.path)
         self.collect_chunks()
-        if self.remote is not None:  # the same checkpoints are kept there
-            self.remote.prune({p.name for p in keep})
+        if self.remote is not None:  # its newest N, and the ones kept here
+            self.remote.prune(self.keep, {p.name for p in keep})
         return removed
 
     def collect_chunks(self) -> None:
