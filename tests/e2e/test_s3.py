@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
-from ..harness.s3_server import FlakyProxy, bucket, moto_server, s3_env
+from ..harness.s3_server import FlakyProxy, bucket, free_port, moto_server, s3_env
 from .test_frameworks import events
 
 pytestmark = pytest.mark.skipif(
@@ -258,3 +258,41 @@ def test_two_runs_on_one_prefix_never_replace_each_others_checkpoints(workdir: P
         write_checkpoint(second, {"step": 7}, {"w": torch.zeros(4)})
     assert manifests(endpoint, "shared")["ckpt-00000001"]["step"] == 1
     assert (workdir / "b" / "checkpoints" / "ckpt-00000001").is_dir()  # kept locally
+
+
+def test_a_lightning_checkpoint_from_s3_resumes_on_another_node_bit_identical(workdir: Path,
+                                                                               endpoint):
+    """A framework's checkpoint goes through the prefix like the rest: Lightning (with a
+    frozen encoder, stored once as a chunk) finishes 2 epochs on node A; node B, with an
+    empty local dir, is asked for a third: the callback fetches the checkpoint before fit,
+    and Lightning resumes from it to the weights of an uninterrupted 3-epoch run."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed (pip install 'procckpt[lightning]')")
+    script = [PYTHON, str(EXAMPLES / "lightning_train.py"), "--frozen-base"]
+    expected = workdir / "reference.pt"
+    ref = run([*script, "--epochs", "3", "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/lightning"}
+    first = run([*script, "--epochs", "2"], cwd=workdir, timeout=600,
+                env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
+    assert first.returncode == 0, first.stderr[-3000:]
+    client(endpoint).delete_object(Bucket=BUCKET, Key="lightning/COMPLETE")
+    out = workdir / "out.pt"
+    second = run([*script, "--epochs", "3", "--out", str(out)], cwd=workdir, timeout=600,
+                 env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    assert second.returncode == 0, second.stderr[-3000:]
+    # Fetched into node B's local dir before Lightning was told where to resume from.
+    assert "resume_from " + str(workdir / "node-b") in second.stdout, second.stdout[-2000:]
+    assert_bit_identical(expected, out)
+
+
+def test_a_server_that_is_not_there_ends_the_run_in_one_line(workdir: Path):
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    down = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/gone", "--", PYTHON,
+                str(SCRIPT), "--epochs", "2"], cwd=workdir,
+               env={**s3_env(gone), "AWS_MAX_ATTEMPTS": "2"})
+    assert down.returncode == 74, down.stderr[-3000:]
+    assert "Traceback" not in down.stderr, down.stderr[-3000:]
+    errors = [line for line in down.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Could not connect to the endpoint URL" in errors[0], errors

@@ -23,8 +23,8 @@ def newest_verified(dir: str | os.PathLike[str] | None) -> CheckpointInfo | None
     """
     local, remote = dir_and_remote(dir)
     store = CheckpointStore(local, remote=remote)
-    if store.remote is not None and store.root.is_dir():
-        store.open().fetch_remote()  # a resume on another node: the newest is remote
+    if store.remote is not None:  # a resume on another node: the newest is remote
+        store.open().fetch_remote()
     if not (store.root / MARKER).is_file() or not store.ckpt_root.is_dir():
         return None
     return store.newest_intact()
