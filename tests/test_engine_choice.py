@@ -81,6 +81,10 @@ def test_module_and_inline_code_are_read(tmp_path, store):
     assert imports_procckpt(["sh", "-c", "exit 7"], tmp_path) is None
     assert imports_procckpt(["python", "-m", "procckpt.bench", "worker"], tmp_path) == \
         "procckpt.bench"
+    # torchrun as a module: the script it launches is the one read.
+    write_script(tmp_path, "ddp.py", "import procckpt\n")
+    assert choose(store, ["python", "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "2", "ddp.py"], tmp_path).name == "hooks"
 
 
 @pytest.mark.parametrize("command", [

@@ -202,6 +202,11 @@ def _shell_commands(code: str) -> list[list[str]]:
     return [c for c in commands if c]
 
 
+#: Modules that launch a training script named after them (``python -m torch.distributed.run
+#: --nproc-per-node 2 train.py``): the script is read, not the launcher.
+_LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
 def _sources(command: list[str], cwd: Path) -> list[tuple[str, str]]:
     found: list[tuple[str, str]] = []
     args = command[1:] if command else []
@@ -210,6 +215,8 @@ def _sources(command: list[str], cwd: Path) -> list[tuple[str, str]]:
             found.append(("the -c code", args[i + 1]))
             break
         if arg == "-m" and i + 1 < len(args):
+            if args[i + 1] in _LAUNCHER_MODULES:
+                continue  # torchrun's own module: the training script comes after it
             base = cwd / args[i + 1].replace(".", "/")
             for candidate in (base.with_suffix(".py"), base / "__main__.py"):
                 text = _read(candidate)
