@@ -76,13 +76,15 @@ def main() -> None:
     ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer)  # procckpt
     print(f"start step {ckpt.step}", flush=True)
     for epoch in ckpt.epochs(args.epochs):                                         # procckpt
+        loss = None  # a resume at an epoch's last batch has none of it left to train
         for inputs, labels in ckpt.batches(loader):                                # procckpt
             loss = nn.functional.cross_entropy(model(inputs), labels)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             time.sleep(args.step_sleep)
-        print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
+        if loss is not None:
+            print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
     if args.out and (not group or dist.get_rank() == 0):
         plain = model.module if group else model
         torch.save(plain.state_dict(), args.out)

@@ -94,15 +94,17 @@ def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path
     share the node's local dir, where the first to fetch a checkpoint places it."""
     command = [PYTHON] if launch == "python" else [
         PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    # As tests/e2e/test_frozen_base.py: more than two cycles, alone or under torchrun.
+    epochs, sleep, limit = ("10", "0.12", "15s") if launch == "python" else ("6", "0.25", "20s")
     expected = workdir / "reference.pt"
-    ref = run([*command, str(SCRIPT), "--epochs", "10", "--out", str(expected)], cwd=workdir,
+    ref = run([*command, str(SCRIPT), "--epochs", epochs, "--out", str(expected)], cwd=workdir,
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     out, prefix = workdir / "out.pt", f"cycles-{launch}"
     res = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/{prefix}", "--keep", "2",
-               "--time-limit", "15s", "--grace", "4s", "--interval", "2s", "--engine", "hooks",
-               "--max-restarts", "40", "--", *command, str(SCRIPT), "--epochs", "10",
-               "--step-sleep", "0.12" if launch == "python" else "0.25", "--out", str(out)],
+               "--time-limit", limit, "--grace", "4s", "--interval", "2s", "--engine", "hooks",
+               "--max-restarts", "40", "--", *command, str(SCRIPT), "--epochs", epochs,
+               "--step-sleep", sleep, "--out", str(out)],
               cwd=workdir, env=s3_env(endpoint), timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     local = workdir / "procckpt-local" / BUCKET / prefix
