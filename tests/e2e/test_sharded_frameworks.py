@@ -25,10 +25,11 @@ def fsdp_run(workdir: Path, framework: str, *args: str) -> tuple[Path, Path, str
               cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 30 steps a rank of 1 s; a 20 s cycle trains 6-14 of them: two cycles never finish.
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+    # 30 steps a rank of 1.5 s; a 30 s cycle trains 7-14 of them (two ranks of a framework
+    # start in 8-18 s beside the rest of the suite): two cycles never finish.
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "30s",
                "--grace", "4s", "--interval", "3s", "--max-restarts", "40", "--",
-               *torchrun(2, PROGRAM[framework], "--fsdp", *args, "--step-sleep", "1",
+               *torchrun(2, PROGRAM[framework], "--fsdp", *args, "--step-sleep", "1.5",
                          "--out", str(out))], cwd=workdir, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     restarts = [e for e in events(ckpt, "restart") if e["cause"] == "deadline"]
