@@ -56,7 +56,7 @@ ENV_LOCAL = "PROCCKPT_LOCAL_DIR"
 #: that a test can kill a checkpoint's upload in flight).
 ENV_UPLOAD_PAUSE = "PROCCKPT_S3_UPLOAD_PAUSE"
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_MANIFEST_KEY = re.compile(r"/checkpoints/(ckpt-\d{8,})/" + re.escape(MANIFEST) + "$")
+_MANIFEST_KEY = re.compile(r"/checkpoints/(ckpt-\d{8,})(\.corrupt)?/" + re.escape(MANIFEST) + "$")
 _PART = 64 << 20
 _PARALLEL = 8
 
@@ -135,7 +135,12 @@ class S3Tier:
     # -- reading ----------------------------------------------------------------------------
     def committed(self) -> list[str]:
         """The names of the checkpoints committed in the prefix, newest first."""
-        names = []
+        return self._listed()[0]
+
+    def _listed(self) -> tuple[list[str], list[str]]:
+        """One listing of the prefix's manifests: the committed checkpoints (newest first)
+        and the set-aside ones (``ckpt-N.corrupt``)."""
+        names, aside = [], []
         with self._failing("listing"):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._key("checkpoints") + "/")
@@ -143,8 +148,9 @@ class S3Tier:
                 for obj in page.get("Contents", []):
                     found = _MANIFEST_KEY.search("/" + obj["Key"])
                     if found:
-                        names.append(found.group(1))
-        return sorted(names, key=lambda n: int(n.split("-")[1]), reverse=True)
+                        (aside if found.group(2) else names).append(
+                            found.group(1) + (found.group(2) or ""))
+        return sorted(names, key=lambda n: int(n.split("-")[1]), reverse=True), aside
 
     def manifest(self, name: str) -> dict[str, Any] | None:
         """The manifest of remote checkpoint ``name``; None if it is not there or unreadable."""
@@ -303,14 +309,14 @@ class S3Tier:
         (the local dir's kept ones: the best, say), then remove the objects that no remaining
         manifest (set-aside ones included) lists. Manifests go first, so a crash in between
         leaves objects to collect later, never a manifest without its objects."""
-        names = self.committed()
+        names, aside = self._listed()
         keep = set(names[:newest]) | also
         doomed = [n for n in names if n not in keep]
         with self._failing("pruning"):
             if doomed:
                 self._delete([self._manifest_key(n) for n in doomed])
             listed: set[str] = set()
-            for name in [n for n in names if n in keep] + self._set_aside():
+            for name in [n for n in names if n in keep] + aside:
                 manifest = self.manifest(name) or {}
                 listed.update((manifest.get("objects") or {}).values())
                 listed.update(manifest.get("chunks") or {})
@@ -324,18 +330,6 @@ class S3Tier:
                         stale.append(obj["Key"])
             if stale:
                 self._delete(stale)
-
-    def _set_aside(self) -> list[str]:
-        names = []
-        pages = self._client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=self._key("checkpoints") + "/")
-        for page in pages:
-            for obj in page.get("Contents", []):
-                found = re.search(r"/(ckpt-\d{8,}\.corrupt)/" + re.escape(MANIFEST) + "$",
-                                  "/" + obj["Key"])
-                if found:
-                    names.append(found.group(1))
-        return names
 
     def set_aside(self, name: str, problem: str) -> None:
         """Move remote checkpoint ``name``'s manifest aside (``ckpt-N.corrupt``)."""
