@@ -22,7 +22,7 @@ import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
 from ..harness.s3_server import FlakyProxy, bucket, free_port, moto_server, s3_env
-from .test_frameworks import events
+from .test_frameworks import command, events, needs
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("moto") is None or importlib.util.find_spec("boto3") is None,
@@ -262,30 +262,50 @@ def test_two_runs_on_one_prefix_never_replace_each_others_checkpoints(workdir: P
     assert (workdir / "b" / "checkpoints" / "ckpt-00000001").is_dir()  # kept locally
 
 
-def test_a_lightning_checkpoint_from_s3_resumes_on_another_node_bit_identical(workdir: Path,
-                                                                               endpoint):
+@pytest.mark.parametrize("framework", ["lightning", "transformers"])
+def test_a_frameworks_checkpoint_from_s3_resumes_on_another_node_bit_identical(
+        workdir: Path, endpoint, framework: str):
     """A framework's checkpoint goes through the prefix like the rest: Lightning (with a
-    frozen encoder, stored once as a chunk) finishes 2 epochs on node A; node B, with an
-    empty local dir, is asked for a third: the callback fetches the checkpoint before fit,
-    and Lightning resumes from it to the weights of an uninterrupted 3-epoch run."""
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (pip install 'procckpt[lightning]')")
-    script = [PYTHON, str(EXAMPLES / "lightning_train.py"), "--frozen-base"]
+    frozen encoder, stored once as a chunk) or the HF Trainer (its own files adopted into
+    procckpt's checkpoint) is stopped on node A once a periodic checkpoint reached the prefix;
+    the script alone on node B, with an empty local dir: its callback fetches the checkpoint
+    before the framework starts, which resumes from it to the weights of an uninterrupted run."""
+    needs(framework)
+    script = command(framework, *(["--frozen-base"] if framework == "lightning" else []))
     expected = workdir / "reference.pt"
-    ref = run([*script, "--epochs", "3", "--out", str(expected)], cwd=workdir,
+    ref = run([*script, "--out", str(expected)], cwd=workdir,
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
-    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/lightning"}
-    first = run([*script, "--epochs", "2"], cwd=workdir, timeout=600,
-                env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
-    assert first.returncode == 0, first.stderr[-3000:]
-    client(endpoint).delete_object(Bucket=BUCKET, Key="lightning/COMPLETE")
+    url = f"s3://{BUCKET}/{framework}"
+    env = {**os.environ, **s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
+    log = workdir / "node-a.err"
+    with open(log, "w") as stderr:
+        first = subprocess.Popen([*procckpt_argv(), "run", "--dir", url, "--interval", "2s",
+                                  "--max-restarts", "0", "--", *script, "--step-sleep", "0.3"],
+                                 cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 240
+            while not manifests(endpoint, framework):
+                assert first.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "nothing reached the prefix in 240 s"
+                time.sleep(0.2)
+            first.send_signal(signal.SIGUSR1)  # checkpoint, then stop: as a time limit would
+            assert first.wait(timeout=240) == 75, log.read_text()[-3000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+    if framework == "transformers":  # the Trainer's own files, in the prefix's checkpoints
+        for manifest in manifests(endpoint, framework).values():
+            assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= \
+                manifest["files"].keys(), manifest["files"]
     out = workdir / "out.pt"
-    second = run([*script, "--epochs", "3", "--out", str(out)], cwd=workdir, timeout=600,
-                 env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    second = run([*script, "--out", str(out)], cwd=workdir, timeout=600,
+                 env={**s3_env(endpoint), "PROCCKPT_DIR": url,
+                      "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
     assert second.returncode == 0, second.stderr[-3000:]
-    # Fetched into node B's local dir before Lightning was told where to resume from.
+    # Fetched into node B's local dir before the framework was told where to resume from.
     assert "resume_from " + str(workdir / "node-b") in second.stdout, second.stdout[-2000:]
+    assert f"fetched from {url}" in second.stderr, second.stderr[-3000:]
     assert_bit_identical(expected, out)
 
 

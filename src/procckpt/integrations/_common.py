@@ -8,6 +8,8 @@ import os
 from typing import Any
 
 from ..errors import ProcckptError
+from ..log import setup_logging
+from ..protocol.control import ENV_TOKEN
 from ..store import MARKER, CheckpointInfo, CheckpointStore
 from ..training.checkpointer import Checkpointer
 from ..training.link.context import dir_and_remote
@@ -24,6 +26,8 @@ def newest_verified(dir: str | os.PathLike[str] | None) -> CheckpointInfo | None
     local, remote = dir_and_remote(dir)
     store = CheckpointStore(local, remote=remote)
     if store.remote is not None:  # a resume on another node: the newest is remote
+        # Before the Checkpointer exists, which sets logging up: say what was fetched.
+        setup_logging(label="train" if os.environ.get(ENV_TOKEN) else None)
         store.open().fetch_remote()
     if not (store.root / MARKER).is_file() or not store.ckpt_root.is_dir():
         return None
