@@ -13,6 +13,11 @@ Under torchrun it trains data-parallel (DDP over gloo); rank 0 writes the frozen
 
     procckpt run --time-limit 1m -- torchrun --standalone --nproc-per-node 2 \
         examples/finetune_frozen.py
+
+With ``--fsdp`` the model is sharded over the ranks instead (FSDP2's ``fully_shard``): each
+rank holds a slice of every weight, frozen ones included, and the first checkpoint writes the
+frozen slices once, as a set of their own that later checkpoints share and that loads into
+another number of ranks too.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--ckpt-dir", default=None)
     parser.add_argument("--out", default=None, help="save the final parameters here")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model (under torchrun)")
     args = parser.parse_args()
 
     group = int(os.environ.get("WORLD_SIZE", "1")) > 1  # under torchrun
@@ -65,15 +71,22 @@ def main() -> None:
                           nn.Linear(args.width, 2))
     x = torch.randn(args.n, args.width)
     data = TensorDataset(x, (x[:, 0] > 0).long())
-    if group:
+    if group and args.fsdp:
+        model = sharded(model)
+    elif group:
         model = DistributedDataParallel(model)  # syncs the gradients of what trains only
+    if group:
         loader = DataLoader(data, batch_size=16, sampler=DistributedSampler(data, seed=0))
     else:
         loader = DataLoader(data, batch_size=32, shuffle=True)
     trained = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trained, lr=1e-3)
 
-    ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer)  # procckpt
+    if args.fsdp and group:  # each rank saves its own shards (through DCP)
+        ckpt = procckpt.Checkpointer(args.ckpt_dir, train=procckpt.Sharded(model, optimizer),
+                                     allow_reshard=True)
+    else:
+        ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer)
     print(f"start step {ckpt.step}", flush=True)
     for epoch in ckpt.epochs(args.epochs):                                         # procckpt
         loss = None  # a resume at an epoch's last batch has none of it left to train
@@ -85,11 +98,30 @@ def main() -> None:
             time.sleep(args.step_sleep)
         if loss is not None:
             print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
-    if args.out and (not group or dist.get_rank() == 0):
+    if args.fsdp and group:
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                             get_model_state_dict)
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+        if args.out and dist.get_rank() == 0:
+            torch.save(full, args.out)
+    elif args.out and (not group or dist.get_rank() == 0):
         plain = model.module if group else model
         torch.save(plain.state_dict(), args.out)
     if group:
         dist.destroy_process_group()
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    """``model`` sharded over the ranks with FSDP2: each layer, then the whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 if __name__ == "__main__":

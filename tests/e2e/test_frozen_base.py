@@ -3,12 +3,17 @@ low-rank adapters trained with AdamW) under ``procckpt run`` with time limits an
 checkpoints: every checkpoint but the first writes less than a tenth of the state, the first
 one of each resumed process too (the chunks it would write are in the store already), the
 run ends bit-identical to an uninterrupted one, and no chunk is left that no kept checkpoint
-lists. The same under torchrun (DDP over 2 gloo ranks), where rank 0 writes the state."""
+lists. The same under torchrun (DDP over 2 gloo ranks), where rank 0 writes the state, and
+with the model sharded over the ranks (FSDP2), where the frozen shards are a DCP set of their
+own, written once and loaded into another number of ranks too."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -20,13 +25,23 @@ SCRIPT = EXAMPLES / "finetune_frozen.py"
 #: 160 steps of 0.12 s alone; under torchrun 96 a rank of 0.25 s (its start is slower on a
 #: loaded machine, so its cycles are longer): more than two cycles either way.
 RUNS = {"python": (("--epochs", "10"), "0.12", "15s"),
-        "torchrun": (("--epochs", "6"), "0.25", "20s")}
+        "torchrun": (("--epochs", "6"), "0.25", "20s"),
+        "fsdp": (("--epochs", "6", "--fsdp"), "0.25", "20s")}
 
 
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-@pytest.mark.parametrize("launch", ["python", "torchrun"])
+def kept_manifests(ckpt: Path) -> list[dict]:
+    return [json.loads(m.read_text())
+            for m in sorted((ckpt / "checkpoints").glob("ckpt-*[0-9]/MANIFEST.json"))]
+
+
+def stored_chunks(ckpt: Path) -> set[str]:
+    return {f"blake3:{f.name}" for f in (ckpt / "chunks" / "blake3").glob("*/*")}
+
+
+@pytest.mark.parametrize("launch", ["python", "torchrun", "fsdp"])
 def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identical(
         workdir: Path, launch: str):
     command = [PYTHON] if launch == "python" else TORCHRUN
@@ -51,11 +66,16 @@ def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identi
     assert_bit_identical(expected, out)
 
     # Collection: the chunks on disk are exactly those the kept checkpoints list.
-    listed = set()
-    for manifest in (ckpt / "checkpoints").glob("ckpt-*/MANIFEST.json"):
-        listed |= set(json.loads(manifest.read_text())["chunks"])
-    stored = {f"blake3:{f.name}" for f in (ckpt / "chunks" / "blake3").glob("*/*")}
-    assert stored == listed and len(listed) == 4  # the four frozen layers' weights
+    listed, kept = set(), kept_manifests(ckpt)
+    for manifest in kept:
+        listed |= set(manifest["chunks"])
+    assert stored_chunks(ckpt) == listed
+    if launch == "fsdp":  # one set, DCP's index and each rank's file, shared by all
+        (files,) = {json.dumps(m["frozen_shards"], sort_keys=True) for m in kept}
+        assert set(json.loads(files)) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+        assert listed == set(json.loads(files).values())
+    else:
+        assert len(listed) == 4  # the four frozen layers' weights
 
     status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
     assert status.returncode == 0, status.stderr
@@ -90,3 +110,53 @@ def test_lightning_shares_a_frozen_encoder_across_checkpoints_and_resumes_bit_id
     assert first["written"] == first["bytes"] > frozen
     assert later and all(e["written"] <= e["bytes"] - frozen for e in later), later
     assert_bit_identical(expected, out)
+
+
+def test_frozen_shards_written_by_two_ranks_load_into_three(workdir: Path):
+    """FSDP2 over 2 ranks, stopped (SIGUSR1, as `procckpt sbatch` has Slurm send) after its
+    periodic checkpoints; the next allocation has 3 ranks: DCP reshards the frozen set like
+    the rest, the new ranks list it without writing it again, and the frozen weights they
+    end with are the base's (what an uninterrupted run ends with: they never train)."""
+    args = [str(SCRIPT), "--fsdp", "--epochs", "4"]
+    expected = workdir / "reference.pt"
+    ref = run([*TORCHRUN, *args, "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    log = workdir / "first.err"
+    with open(log, "w") as stderr:
+        first = subprocess.Popen(
+            [*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "2s", "--max-restarts",
+             "0", "--", *TORCHRUN, *args, "--step-sleep", "0.25"], cwd=workdir, text=True,
+            stdout=subprocess.DEVNULL, stderr=stderr)
+        try:
+            deadline = time.monotonic() + 240
+            while not (ckpt / "events.jsonl").exists() or len(events(ckpt, "checkpoint")) < 2:
+                assert first.poll() is None, log.read_text()[-3000:]
+                assert time.monotonic() < deadline, "no two checkpoints within 240 s"
+                time.sleep(0.2)
+            first.send_signal(signal.SIGUSR1)
+            assert first.wait(timeout=240) == 75, log.read_text()[-3000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+    (written_by_two,) = {json.dumps(m["frozen_shards"]) for m in kept_manifests(ckpt)}
+
+    three = [*TORCHRUN[:-1], "3"]
+    second = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "2s", "--",
+                  *three, *args, "--out", str(out)], cwd=workdir, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming epoch" in second.stderr and "with 3 ranks from a checkpoint of 2" in \
+        second.stderr, second.stderr[-3000:]
+    kept = kept_manifests(ckpt)
+    assert kept and all(json.dumps(m["frozen_shards"]) == written_by_two for m in kept)
+    # Written by 3 ranks, each only its own files: none of the set's chunks again.
+    assert all(m["world_size"] == 3 and m["written"] == sum(
+        f["bytes"] for f in m["files"].values()) for m in kept), kept
+    import torch
+
+    ended, reference = (torch.load(p, weights_only=True) for p in (out, expected))
+    frozen = [k for k in reference if ".base." in k]
+    assert len(frozen) == 8 and all(torch.equal(ended[k], reference[k]) for k in frozen)
+    trained = [k for k in reference if ".up." in k]
+    assert any(not torch.equal(ended[k], torch.zeros_like(ended[k])) for k in trained)

@@ -26,7 +26,7 @@ import os
 import re
 import stat
 import uuid
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,20 @@ class ChunkStore:
         fsync_dir(final.parent)
         return chunk_id, True
 
+    def put_file(self, source: Path) -> tuple[str, int, bool]:
+        """Move file ``source`` (written and fsynced by someone else, on this file system)
+        into the store under its hash; return its id, its size, and whether it was new
+        (False: the store had it, and ``source`` is removed)."""
+        chunk_id, nbytes = file_digest(source), os.stat(source).st_size
+        if self.has(chunk_id, nbytes):
+            os.unlink(source)
+            return chunk_id, nbytes, False
+        final = self.path(chunk_id)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(source, final)
+        fsync_dir(final.parent)
+        return chunk_id, nbytes, True
+
     def read_into(self, chunk_id: str, out: memoryview) -> None:
         """Fill ``out`` (exactly the chunk's size) with the chunk, checking its hash.
 
@@ -170,13 +184,14 @@ class ChunkStore:
                 os.rename(path, path.with_name(path.name + ".corrupt"))
             raise ChunkDamaged(f"chunk {chunk_id} fails its hash (the file is corrupt)")
 
-    def problem(self, chunks: dict[str, int], *, hash_them: bool) -> str | None:
+    def problem(self, chunks: dict[str, int], *, hash_them: bool,
+                hash_these: Container[str] = ()) -> str | None:
         """Why a checkpoint listing ``chunks`` cannot be used, or None: each must be there
-        with its size, and (``hash_them``) hash to its name."""
+        with its size, and (``hash_them``, or in ``hash_these``) hash to its name."""
         for chunk_id, nbytes in chunks.items():
             if not self.has(chunk_id, nbytes):
                 return f"chunk {chunk_id} is missing or has the wrong size"
-            if hash_them:
+            if hash_them or chunk_id in hash_these:
                 try:
                     self.read_into(chunk_id, memoryview(bytearray(nbytes)))
                 except ChunkDamaged as e:

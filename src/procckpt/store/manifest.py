@@ -15,7 +15,7 @@ from .chunks import ChunkStore, chunk_id_problem
 from .files import plain_name
 
 __all__ = ["CheckpointInfo", "manifest_problem", "FORMAT_VERSION", "CHUNKED_FORMAT",
-           "READABLE_FORMATS", "MANIFEST"]
+           "READABLE_FORMATS", "MANIFEST", "FROZEN_SHARDS"]
 
 FORMAT_VERSION = 1
 #: The format of a checkpoint that lists chunks: an older procckpt refuses it (it would
@@ -23,6 +23,9 @@ FORMAT_VERSION = 1
 CHUNKED_FORMAT = 2
 READABLE_FORMATS = (FORMAT_VERSION, CHUNKED_FORMAT)
 MANIFEST = "MANIFEST.json"
+#: The manifest's map of the frozen sharded parameters' DCP files to the chunks that hold them
+#: (training/distributed/frozen_shards.py).
+FROZEN_SHARDS = "frozen_shards"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class CheckpointInfo:
     def chunk_store(self) -> ChunkStore:
         """The chunk store of the dir the checkpoint is in (``DIR/checkpoints/ckpt-N``)."""
         return ChunkStore(self.path.parent.parent / "chunks")
+
+    @property
+    def frozen_shards(self) -> dict[str, str]:
+        """The DCP files of the frozen sharded parameters, by name, with their chunk ids."""
+        return dict(self.manifest.get(FROZEN_SHARDS) or {})
 
     @property
     def written(self) -> int:
@@ -105,6 +113,13 @@ def manifest_problem(manifest: Any) -> str | None:
                 return problem
             if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
                 return f"chunk {chunk_id} has no whole-number size"
+    frozen = manifest.get(FROZEN_SHARDS)
+    if frozen is not None:
+        if not isinstance(frozen, dict) or not frozen:
+            return f"its {FROZEN_SHARDS} is not an object of files"
+        for name, chunk_id in frozen.items():
+            if not plain_name(name) or chunk_id not in (chunks or {}):
+                return f"{FROZEN_SHARDS} entry {name!r} names no chunk the manifest lists"
     for key in ("step", "epoch", "batch", "seq", "world_size", "written"):
         value = manifest.get(key)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool)):

@@ -103,6 +103,16 @@ class PendingCheckpoint:
         self.chunk_bytes_written += len(data) if written else 0
         return chunk_id
 
+    def put_chunk_file(self, source: Path) -> tuple[str, int]:
+        """Move file ``source`` (fsynced, on this file system) into the dir's chunk store as
+        a chunk of this checkpoint; return its id and size. Durable on return."""
+        if self._chunk_store is None:
+            raise StoreError("this checkpoint has no chunk store")
+        chunk_id, nbytes, written = self._chunk_store.put_file(source)
+        self.chunks[chunk_id] = nbytes
+        self.chunk_bytes_written += nbytes if written else 0
+        return chunk_id, nbytes
+
     def list_chunk(self, chunk_id: str, nbytes: int) -> bool:
         """List a chunk the store holds already (written by an earlier checkpoint); False
         if it is not there (then the caller writes it with :meth:`put_chunk`)."""

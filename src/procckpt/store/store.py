@@ -40,8 +40,8 @@ from .files import (READ_RETRY_PAUSES, file_crc32, format_size, modified,
                     read_small_file, read_with_retries, write_file_atomic)
 from .chunks import ChunkStore
 from .lock import DirLock
-from .manifest import (FORMAT_VERSION, MANIFEST, READABLE_FORMATS, CheckpointInfo,
-                       manifest_problem)
+from .manifest import (FORMAT_VERSION, FROZEN_SHARDS, MANIFEST, READABLE_FORMATS,
+                       CheckpointInfo, manifest_problem)
 from .pending import PendingCheckpoint
 from .completion import COMPLETE, Completion
 from .remote import ENV_LOCAL, S3Tier, marked_remote
@@ -330,7 +330,10 @@ class CheckpointStore(Completion):
             return problem
         if manifest.get("format") not in READABLE_FORMATS:
             return f"it has format {manifest.get('format')}, expected {FORMAT_VERSION}"
-        problem = self.chunks.problem(manifest.get("chunks") or {}, hash_them=hash_chunks)
+        # DCP reads the frozen sharded parameters' chunks and checks no hash: hashed here.
+        by_dcp = set((manifest.get(FROZEN_SHARDS) or {}).values())
+        problem = self.chunks.problem(manifest.get("chunks") or {}, hash_them=hash_chunks,
+                                      hash_these=by_dcp)
         if problem is not None:
             return problem
         for name, expect in manifest["files"].items():

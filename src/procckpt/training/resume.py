@@ -107,8 +107,7 @@ def single_process_view(info: CheckpointInfo, payload: dict[str, Any],
     if saved_world != 1:
         dist_.check_world_size(info, saved_world, 1, allow_reshard)
         payload = resplit_position(payload, saved_world, 1)
-    dist_.load_sharded(statefuls, info.path, list(info.manifest.get("sharded") or []),
-                       use_group=False)
+    dist_.load_sharded_state(statefuls, info, use_group=False)
     return payload
 
 

@@ -3,11 +3,12 @@
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement
 from .coordinator import (DistributedCoordinator, GroupMember, WorldSizeMismatch, check_world_size,
                           coordinator_for)
+from .frozen_shards import load_sharded_state
 from .group_writes import GroupWrites
 from .setup import ENV_POLL_RANKS, first_host, init_distributed, polls_control
 from .sharded import Sharded, load_sharded, sharded_of
 
 __all__ = ["Sharded", "Flags", "RankAgreement", "DistributedCoordinator", "GroupMember",
            "init_distributed", "polls_control", "first_host", "coordinator_for",
-           "check_world_size", "load_sharded",
+           "check_world_size", "load_sharded", "load_sharded_state",
            "ENV_POLL_RANKS", "ENV_SYNC_EVERY", "WorldSizeMismatch", "GroupWrites", "sharded_of"]

@@ -59,8 +59,8 @@ from ..position.resplit import resplit_position
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
-from .sharded import (dcp_errors, dcp_failure, dcp_failures, dcp_state, load_sharded,
-                      sharded_of)
+from .frozen_shards import FrozenPart, FrozenShards, load_sharded_state
+from .sharded import dcp_errors, dcp_failure, dcp_failures, dcp_state, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
            "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
@@ -139,6 +139,7 @@ class DistributedCoordinator:
         #: The background side of this rank's group checkpoints (group_writes.GroupWrites),
         #: when checkpoints are written in the background.
         self.writes: Any = None
+        self.frozen_shards = FrozenShards()
 
     # small collectives ---------------------------------------------------------------------
     def broadcast_text(self, text: str | None) -> str:
@@ -194,10 +195,14 @@ class DistributedCoordinator:
         lasting: StorageError | None = None  # this rank's failure, if it would repeat
         local_sums: Sums | None = None
         plan: ChunkPlan | None = None
+        frozen: FrozenPart | None = None
         if sharded:
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                local_sums = save_dcp(dcp_state(sharded), tmp, self.group)
+                state, frozen = self.frozen_shards.prepare(
+                    sharded, dcp_state(sharded), tmp, self.any_rank, self.group,
+                    ck.store.chunks if self.rank == 0 else None)
+                local_sums = save_dcp(state, tmp, self.group)
             except dcp_errors() as e:
                 error, lasting = f"sharded state: {dcp_failure(e)}", _lasting(e, ck.store.root)
         if error is None:
@@ -244,7 +249,7 @@ class DistributedCoordinator:
         if self.rank == 0:
             assert pending is not None
             try:
-                info_out = self.commit_group(ck, pending, tmp, sums)
+                info_out = self.commit_group(ck, pending, tmp, sums, frozen)
                 result = info_out.path.name
             except Exception as e:
                 pending.abort()
@@ -254,7 +259,9 @@ class DistributedCoordinator:
         # Everyone waits for the commit: no rank runs (or exits) ahead of a half-made checkpoint.
         committed = self.broadcast_text(result)
         if committed.startswith("!"):
+            self.frozen_shards.failed()
             raise ProcckptError(f"rank 0 could not commit the checkpoint: {committed[1:]}")
+        self.frozen_shards.durable(frozen)
         if info_out is None:  # not rank 0: the manifest is rank 0's business
             info_out = CheckpointInfo(ck.store.ckpt_root / committed,
                                       int(committed.split("-")[1]), {})
@@ -285,11 +292,15 @@ class DistributedCoordinator:
         return pending, Path(text)
 
     def commit_group(self, ck: GroupMember, pending: PendingCheckpoint, tmp: Path,
-                     sums: Sums | None = None) -> CheckpointInfo:
+                     sums: Sums | None = None,
+                     frozen: FrozenPart | None = None) -> CheckpointInfo:
         """Rank 0: add the other ranks' files (and DCP's shards) to ``pending`` and commit
         it. ``sums``: DCP's files as summed while written (dcp_files.py); any other file is
-        read back. The caller aborts ``pending`` if this raises."""
+        read back. ``frozen``: the frozen sharded parameters' set (frozen_shards.py). The
+        caller aborts ``pending`` if this raises."""
         sums = sums or {}
+        if frozen is not None:
+            self.frozen_shards.commit(pending, tmp, frozen)
         for name in sorted(os.listdir(tmp)):
             if name not in pending.files and name != "MANIFEST.json" \
                     and not name.startswith(".tmp-") and not name.endswith(".tmp"):
@@ -344,8 +355,9 @@ class DistributedCoordinator:
             raise ProcckptError(f"rank(s) {', '.join(map(str, failed))} could not load {choice} "
                                 "(see their logs)")
         assert payload is not None
-        load_sharded(ck.statefuls, info.path, list(info.manifest.get("sharded") or []),
-                     use_group=True)
+        frozen = load_sharded_state(ck.statefuls, info, use_group=True)
+        if frozen:
+            self.frozen_shards.loaded(info, frozen)
         return info, payload
 
     def _adapt(self, ck: GroupMember, info: CheckpointInfo,

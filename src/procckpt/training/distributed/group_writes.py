@@ -33,6 +33,8 @@ from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
 from .dcp_files import Sums
+from .frozen_shards import FrozenPart, split_frozen
+from .sharded import dcp_errors, dcp_failure
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .shard_copies import ShardWrites
 
@@ -58,6 +60,7 @@ class _Part:
     error: str | None = None
     sums: Sums = field(default_factory=dict)  # DCP's files, summed as they were written
     plan: ChunkPlan | None = None  # rank 0: its frozen parameters (io/frozen.py)
+    frozen: FrozenPart | None = None  # the frozen sharded parameters (frozen_shards.py)
 
 
 class GroupWrites:
@@ -88,7 +91,8 @@ class GroupWrites:
     def inputs(self, ck: GroupMember) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(what this rank copies, the live sharded state DCP plans from). The copy holds its
         part (rank 0 the replicated state, other ranks their own random streams) and, with
-        sharded state, its local shards: ``{"part": ..., "shards": ...}``."""
+        sharded state, its local shards: ``{"part": ..., "shards": ...}``, without the frozen
+        parameters, which are not copied (frozen_shards.py)."""
         coordinator = self.coordinator
         sharded = set(self.shards.sharded) if self.shards is not None else set()
         if coordinator.rank == 0:
@@ -99,7 +103,8 @@ class GroupWrites:
         if self.shards is None:
             return part, None
         live = self.shards.live()
-        return {"part": part, "shards": self.shards.locals_of(live)}, live
+        rest, _ = split_frozen(self.shards.sharded, live)
+        return {"part": part, "shards": self.shards.locals_of(rest)}, live
 
     def start(self, ck: GroupMember, reason: str, position: Position,
               request: ctl.Request | None) -> bool:
@@ -115,6 +120,18 @@ class GroupWrites:
             return False
         started = time.monotonic()
         payload, live = self.inputs(ck)
+        frozen: FrozenPart | None = None
+        if live is not None:
+            assert self.shards is not None
+            try:  # collective; a set to write is written now, synchronously
+                live, frozen = coordinator.frozen_shards.prepare(
+                    self.shards.sharded, live, tmp, coordinator.any_rank, coordinator.group,
+                    ck.store.chunks if coordinator.rank == 0 else None)
+            except dcp_errors() as e:
+                logger.error("frozen sharded parameters: %s", dcp_failure(e))
+                if pending is not None:
+                    pending.abort()
+                return False
         plan = ck.frozen.plan(payload if live is None else payload["part"]) \
             if ck.frozen is not None else None
         if plan is not None:
@@ -130,7 +147,7 @@ class GroupWrites:
             return False
         assert snapshot is not None
         part = _Part(tmp, reason, position, started, time.monotonic() - started, request, pending,
-                     plan=plan)
+                     plan=plan, frozen=frozen)
 
         def write(copy: Any) -> None:  # on the writer thread
             if live is not None:  # first: collective with the other ranks' writer threads
@@ -179,7 +196,8 @@ class GroupWrites:
                 part.pending.abort()
             else:
                 try:
-                    info = coordinator.commit_group(ck, part.pending, part.tmp, part.sums)
+                    info = coordinator.commit_group(ck, part.pending, part.tmp, part.sums,
+                                                    part.frozen)
                     result = info.path.name
                 except Exception as e:
                     part.pending.abort()
@@ -188,11 +206,13 @@ class GroupWrites:
                 part.plan.durable() if info is not None else part.plan.failed()
         committed = coordinator.broadcast_text(result)
         if committed.startswith("!"):
+            coordinator.frozen_shards.failed()
             logger.error("the checkpoint of step %d was not committed (%s); the previous "
                          "checkpoint stays the one to resume from", part.position[2],
                          committed[1:])
             ck.record_failed(part.request, part.position, part.reason, committed[1:])
             return None
+        coordinator.frozen_shards.durable(part.frozen)
         if info is None:
             info = CheckpointInfo(ck.store.ckpt_root / committed, int(committed.split("-")[1]),
                                   {})

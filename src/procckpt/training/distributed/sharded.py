@@ -170,8 +170,12 @@ def _safe_load_planner() -> Any:
 
 
 def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
-                 use_group: bool) -> None:
-    """Load the :class:`Sharded` states ``names`` from checkpoint ``path`` (resharding)."""
+                 use_group: bool, frozen_set: Path | None = None) -> dict[str, Any] | None:
+    """Load the :class:`Sharded` states ``names`` from checkpoint ``path`` (resharding).
+
+    ``frozen_set``: a DCP checkpoint with the frozen parameters of the same states, saved
+    apart (frozen_shards.py). Returns those parameters as loaded, ``{name: {"model": ...}}``,
+    or None without a set."""
     targets = sharded_of(statefuls)
     missing = [n for n in names if n not in targets]
     if missing:
@@ -185,14 +189,35 @@ def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
             "with other Checkpointer arguments; use a new checkpoint dir")
     names = [n for n in names if not _framework_loads(targets[n])]
     if not names:
-        return
+        return None
     # Imported only here: torch.distributed.checkpoint pulls in DTensor, torch.fx and sympy
     # (about 0.9 s and 45 MB), which a restart without sharded state would pay for nothing.
     import torch.distributed.checkpoint as dcp
 
+    def load(state: dict[str, Any], source: Path) -> None:
+        dcp.load(state, storage_reader=_safe_dcp_reader(source), planner=_safe_load_planner(),
+                 no_dist=not use_group)
+
     try:
-        dcp.load({n: targets[n] for n in names}, storage_reader=_safe_dcp_reader(path),
-                 planner=_safe_load_planner(), no_dist=not use_group)
+        if frozen_set is None:
+            load({n: targets[n] for n in names}, path)
+            return None
+        # As DCP does with a Stateful: its state dict, loaded in place, then handed back;
+        # here in two halves, each from the checkpoint that holds it.
+        held = _safe_dcp_reader(frozen_set).read_metadata().state_dict_metadata
+        state = {n: targets[n].state_dict() for n in names}
+        frozen = {n: {"model": {k: v for k, v in state[n]["model"].items()
+                                if f"{n}.model.{k}" in held}} for n in names}
+        frozen = {n: part for n, part in frozen.items() if part["model"]}
+        rest = {n: {**state[n], "model": {k: v for k, v in state[n]["model"].items()
+                                          if k not in frozen.get(n, {}).get("model", {})}}
+                for n in names}
+        load(rest, path)
+        load(frozen, frozen_set)
+        for n in names:
+            rest[n]["model"].update(frozen.get(n, {}).get("model", {}))
+            targets[n].load_state_dict(rest[n])
+        return frozen
     except dcp_errors() as e:
         raise ProcckptError(f"cannot load the sharded state of {path.name}: "
                             f"{dcp_failure(e)}") from e

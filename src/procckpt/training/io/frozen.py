@@ -36,7 +36,7 @@ import torch
 from ...store.chunks import ChunkStore
 from ...store.pending import PendingCheckpoint
 
-__all__ = ["FrozenChunks", "ChunkPlan", "resolve_chunks", "PLACEHOLDER", "MIN_BYTES",
+__all__ = ["FrozenChunks", "ChunkPlan", "resolve_chunks", "bytes_of", "PLACEHOLDER", "MIN_BYTES",
            "VERIFY_EVERY"]
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class ChunkPlan:
         replacements = {}
         for path, candidate in self.candidates.items():
             tensor = _at(payload, path)
-            chunk_id = pending.put_chunk(_bytes_of(tensor))
+            chunk_id = pending.put_chunk(bytes_of(tensor))
             self._written[path] = chunk_id
             replacements[path] = _placeholder(chunk_id, tensor)
         return _replaced(payload, replacements) if replacements else payload
@@ -272,7 +272,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
+def bytes_of(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
         flat = flat.cpu()
