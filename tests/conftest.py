@@ -18,6 +18,24 @@ PROGRAMS = Path(__file__).resolve().parent / "harness" / "programs"
 PYTHON = sys.executable
 
 
+@pytest.fixture
+def group_of_one() -> Iterator[None]:
+    """A gloo process group of this process alone."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(params=["background", "synchronous"])
+def async_save(request: pytest.FixtureRequest) -> bool:
+    """Each checkpoint written by the background writer, then synchronously."""
+    return request.param == "background"
+
+
 def procckpt_argv() -> list[str]:
     return [PYTHON, "-m", "procckpt"]
 

@@ -99,15 +99,6 @@ def test_ranks_without_a_process_group_are_refused(tmp_path: Path,
 # -- a group of one, in this process -------------------------------------------------------
 
 
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 class FakeClock:
     def __init__(self) -> None:
         self.now = 100.0

@@ -48,11 +48,6 @@ def chunk_files(root: Path) -> set[str]:
             for fan in algo.iterdir() for f in fan.iterdir()}
 
 
-@pytest.fixture(params=["background", "synchronous"])
-def async_save(request) -> bool:
-    return request.param == "background"
-
-
 def test_frozen_weights_are_written_once_and_the_state_loads_back_whole(tmp_path, async_save):
     model, opt = fine_tune()
     ck = Checkpointer(tmp_path, model=model, optimizer=opt, async_save=async_save, keep=3)

@@ -7,13 +7,11 @@ larger group; tests/e2e/test_frozen_base.py runs it under torchrun with two and 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from procckpt import Checkpointer, Sharded
@@ -21,21 +19,9 @@ from procckpt.errors import CheckpointCorruptError
 from procckpt.store import CheckpointStore
 from procckpt.training.distributed.frozen_shards import FrozenShards, load_sharded_state
 
+from .test_frozen import manifests
+
 FROZEN_BYTES = 2 * (256 * 256 + 256) * 4  # two frozen Linear(256, 256)
-
-
-@pytest.fixture
-def group_of_one():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture(params=["background", "synchronous"])
-def async_save(request) -> bool:
-    return request.param == "background"
 
 
 def fine_tune(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -60,11 +46,6 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-
-
-def manifests(root: Path) -> list[dict]:
-    return [json.loads((p / "MANIFEST.json").read_text())
-            for p in sorted((root / "checkpoints").glob("ckpt-*[0-9]"))]
 
 
 def full(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..harness.processes import stopped_once
 from .test_frameworks import events
 
 SCRIPT = EXAMPLES / "finetune_frozen.py"
@@ -30,6 +28,10 @@ RUNS = {"python": (("--epochs", "10"), "0.12", "15s"),
 
 
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+
+
+def checkpoint_events(ckpt: Path) -> list[dict]:
+    return events(ckpt, "checkpoint") if (ckpt / "events.jsonl").exists() else []
 
 
 def kept_manifests(ckpt: Path) -> list[dict]:
@@ -123,23 +125,10 @@ def test_frozen_shards_written_by_two_ranks_load_into_three(workdir: Path):
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    log = workdir / "first.err"
-    with open(log, "w") as stderr:
-        first = subprocess.Popen(
-            [*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "2s", "--max-restarts",
-             "0", "--", *TORCHRUN, *args, "--step-sleep", "0.25"], cwd=workdir, text=True,
-            stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            deadline = time.monotonic() + 240
-            while not (ckpt / "events.jsonl").exists() or len(events(ckpt, "checkpoint")) < 2:
-                assert first.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "no two checkpoints within 240 s"
-                time.sleep(0.2)
-            first.send_signal(signal.SIGUSR1)
-            assert first.wait(timeout=240) == 75, log.read_text()[-3000:]
-        finally:
-            if first.poll() is None:
-                first.kill()
+    first = stopped_once(["--dir", str(ckpt), "--interval", "2s", "--", *TORCHRUN, *args,
+                          "--step-sleep", "0.25"], workdir,
+                         lambda: len(checkpoint_events(ckpt)) >= 2)
+    assert first.returncode == 75, first.stderr[-3000:]
     (written_by_two,) = {json.dumps(m["frozen_shards"]) for m in kept_manifests(ckpt)}
 
     three = [*TORCHRUN[:-1], "3"]

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..harness.processes import stopped_once
 from ..harness.s3_server import FlakyProxy, bucket, free_port, moto_server, s3_env
 from .test_frameworks import command, events, needs
 
@@ -277,23 +278,11 @@ def test_a_frameworks_checkpoint_from_s3_resumes_on_another_node_bit_identical(
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
     url = f"s3://{BUCKET}/{framework}"
-    env = {**os.environ, **s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
-    log = workdir / "node-a.err"
-    with open(log, "w") as stderr:
-        first = subprocess.Popen([*procckpt_argv(), "run", "--dir", url, "--interval", "2s",
-                                  "--max-restarts", "0", "--", *script, "--step-sleep", "0.3"],
-                                 cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
-        try:
-            deadline = time.monotonic() + 240
-            while not manifests(endpoint, framework):
-                assert first.poll() is None, log.read_text()[-3000:]
-                assert time.monotonic() < deadline, "nothing reached the prefix in 240 s"
-                time.sleep(0.2)
-            first.send_signal(signal.SIGUSR1)  # checkpoint, then stop: as a time limit would
-            assert first.wait(timeout=240) == 75, log.read_text()[-3000:]
-        finally:
-            if first.poll() is None:
-                first.kill()
+    # Node A: stopped (checkpoint, then stop: as a time limit would) once one reached S3.
+    first = stopped_once(["--dir", url, "--interval", "2s", "--", *script, "--step-sleep",
+                          "0.3"], workdir, lambda: bool(manifests(endpoint, framework)),
+                         env={**s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
+    assert first.returncode == 75, first.stderr[-3000:]
     if framework == "transformers":  # the Trainer's own files, in the prefix's checkpoints
         for manifest in manifests(endpoint, framework).values():
             assert {"model.safetensors", "optimizer.pt", "trainer_state.json"} <= \

@@ -25,6 +25,7 @@ import torch
 from procckpt.protocol.events import read_events
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness.processes import stopped_once
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 DDP = EXAMPLES / "ddp_train.py"
@@ -221,30 +222,6 @@ def ledger_counts(ledger: Path, epoch: int) -> dict[int, int]:
     return counts
 
 
-def stop_mid_epoch(workdir: Path, ckpt: Path, command: list[str], ledger: Path,
-                   lines: int) -> subprocess.CompletedProcess[str]:
-    """``procckpt run`` of ``command``, sent SIGUSR1 (checkpoint, then stop) once the ledger
-    holds ``lines`` lines."""
-    out, err = workdir / "first.out", workdir / "first.err"
-    with open(out, "w") as stdout, open(err, "w") as stderr:
-        proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--max-restarts",
-                                 "0", "--", *command], cwd=workdir, stdout=stdout,
-                                stderr=stderr, text=True)
-        try:
-            deadline = time.monotonic() + 180
-            while sum(len(p.read_text().splitlines()) for p in ledger.glob("*.txt")) < lines:
-                assert proc.poll() is None, err.read_text()[-3000:]
-                assert time.monotonic() < deadline, "training never started"
-                time.sleep(0.1)
-            proc.send_signal(signal.SIGUSR1)
-            proc.wait(timeout=180)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(),
-                                       err.read_text())
-
-
 @pytest.mark.parametrize("state", ["ddp", "fsdp"])
 @pytest.mark.parametrize("before,after", [(2, 3), (3, 2)], ids=["2-to-3", "3-to-2"])
 def test_another_world_size_trains_the_rest_of_the_epoch_each_sample_once(
@@ -259,8 +236,14 @@ def test_another_world_size_trains_the_rest_of_the_epoch_each_sample_once(
     # `procckpt sbatch` asks Slurm to send before the time limit), not restarted. The signal
     # goes once every rank has trained a few steps: a wall-clock limit would be eaten by the
     # ranks' start-up when the machine is loaded.
-    first = stop_mid_epoch(workdir, ckpt, [*torchrun(before, LEDGER, *args, "--name", "first")],
-                           ledger, lines=before * batch_size * 4)
+    lines = before * batch_size * 4
+
+    def trained_a_few_steps() -> bool:
+        return sum(len(p.read_text().splitlines()) for p in ledger.glob("*.txt")) >= lines
+
+    first = stopped_once(["--dir", str(ckpt), "--",
+                          *torchrun(before, LEDGER, *args, "--name", "first")], workdir,
+                         trained_a_few_steps)
     assert first.returncode == 75, first.stderr[-3000:]
     saved = [e for e in read_events(ckpt / "events.jsonl") if e["event"] == "checkpoint"][-1]
     assert saved["epoch"] == 0 and saved["batch"] > 0, saved

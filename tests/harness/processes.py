@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,6 +52,32 @@ def wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 60) -
         assert time.monotonic() < deadline, f"no {text!r} within {timeout}s"
     tail = proc.stderr.read()[-2000:] if proc.stderr is not None else ""
     raise AssertionError(f"the output ended before {text!r}: {tail}")
+
+
+def stopped_once(args: list[str], cwd: Path, ready: Callable[[], bool],
+                 env: dict[str, str] | None = None,
+                 timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``procckpt run ARGS`` (no restarts) sent SIGUSR1, checkpoint then stop, as `procckpt
+    sbatch` has Slurm send it before a time limit, once ``ready()``; its output in files."""
+    out, err = cwd / "stopped.out", cwd / "stopped.err"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("PROCCKPT_TOKEN", None)
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen([*procckpt_argv(), "run", "--max-restarts", "0", *args],
+                                cwd=cwd, env=full_env, text=True, stdout=stdout, stderr=stderr)
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                assert proc.poll() is None, err.read_text()[-3000:]
+                assert time.monotonic() < deadline, f"not ready within {timeout}s"
+                time.sleep(0.1)
+            proc.send_signal(signal.SIGUSR1)
+            proc.wait(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(),
+                                       err.read_text())
 
 
 def reference(workdir: Path, *args: str) -> Path:
