@@ -18,7 +18,9 @@ the DTensor's version counter has not moved. In-place operations on a DTensor pa
 the DTensor's counter, shared with the detached copies a state dict holds (not its local
 tensor's). Every :data:`~procckpt.training.io.frozen.VERIFY_EVERY`-th checkpoint each rank
 hashes its local shards again, which catches writes the counter cannot see (``.data``):
-those are then hashed at every checkpoint, with a warning.
+those are then hashed at every checkpoint, with a warning. That hash runs at the checkpoint's
+safe point, so it adds to that checkpoint's pause what reading the rank's frozen shards costs
+(from the GPU, a copy to the host first); so does the first checkpoint after a resume.
 
 The write of the set itself is synchronous even under ``async_save`` (it happens once per
 run, or after a change); the rest of the sharded state is copied and written as before.
