@@ -44,6 +44,11 @@ POLY = EXAMPLES / "polynomial_regression.py"
 # hold, so the run needs >= 3 cycles whatever the signal timing.
 TRAIN_ARGS = ["--epochs", "25", "--step-sleep", "0.5"]
 TRAIN_STEPS = 25 * 256 // 32
+# The chain: 70 s of training over 16 one-minute tasks, more than one cycle can hold. Under a
+# loaded CI runner a task's start-up took ~40 s of its minute (some trained 1 step), and 12
+# tasks of 100 s of training ran out before the end.
+CHAIN_ARGS = ["--epochs", "25", "--step-sleep", "0.35"]
+CHAIN_TASKS = 16
 # 600 epochs x 0.1 s: 60 s of training, more than one cycle of ~40 s can hold.
 POLY_ARGS = ["--epochs", "600", "--sleep", "0.1"]
 # Long enough never to finish within the tests.
@@ -176,8 +181,8 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     procckpt_sbatch(cluster, jobs["requeue"], ["-t", "1"],
                     [PYTHON, str(TINY), *TRAIN_ARGS, "--out", str(jobs["requeue"].workdir /
                                                                   "final.pt")])
-    procckpt_sbatch(cluster, jobs["chain"], ["-t", "1", "--chain", "12"],
-                    [PYTHON, str(TINY), *TRAIN_ARGS, "--out", str(jobs["chain"].workdir /
+    procckpt_sbatch(cluster, jobs["chain"], ["-t", "1", "--chain", str(CHAIN_TASKS)],
+                    [PYTHON, str(TINY), *CHAIN_ARGS, "--out", str(jobs["chain"].workdir /
                                                                   "final.pt")])
     procckpt_sbatch(cluster, jobs["budget"], ["-t", "1", "--max-restarts", "1"],
                     [PYTHON, str(TINY), *ENDLESS_ARGS])
@@ -359,23 +364,24 @@ def test_chain_mode_finishes_the_same_training_with_the_same_result(slurm_jobs: 
 
     def all_tasks_done() -> bool:
         recs = watcher.tasks(job.job_id)
-        return len(recs) == 12 and all(r.get("JobState") in FINISHED_STATES for r in recs)
+        return len(recs) == CHAIN_TASKS and all(r.get("JobState") in FINISHED_STATES
+                                                for r in recs)
 
-    watcher.wait("all 12 chain tasks to finish", all_tasks_done)
+    watcher.wait(f"all {CHAIN_TASKS} chain tasks to finish", all_tasks_done)
     recs = watcher.tasks(job.job_id)
     assert {r["JobState"] for r in recs} == {"COMPLETED"}, recs
     assert {r["Restarts"] for r in recs} == {"0"}  # a chain never requeues
     assert_bit_identical(slurm_jobs.tiny_reference, job.workdir / "final.pt")
     log = job.log
     starts = cycle_starts(log)
-    assert len(starts) >= 3 and starts[0] == 0, starts
+    assert len(starts) >= 2 and starts[0] == 0, starts
     assert trained_steps(log) == list(range(1, TRAIN_STEPS + 1))
     # Every task ran the command and trained, or (under load: Slurm's USR1 came first) was
     # stopped before the training connected; the tasks after the finish exit at once.
     ran = re.findall(r"^procckpt: cycle \d+: started", log, flags=re.M)
     unconnected = log.count("(the command never connected to procckpt)")
     assert len(starts) + unconnected == len(ran), log[-4000:]
-    assert log.count("already finished") == 12 - len(ran), log[-4000:]
+    assert log.count("already finished") == CHAIN_TASKS - len(ran), log[-4000:]
     if "already finished" in log:  # none when the last task trained the last steps
         assert log.rindex("start step") < log.index("already finished")
 
