@@ -59,7 +59,7 @@ from ..position.resplit import resplit_position
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
-from .frozen_shards import FrozenPart, FrozenShards, load_sharded_state
+from .frozen_shards import FrozenPart, FrozenShards, load_sharded_state, split_frozen
 from .sharded import dcp_errors, dcp_failure, dcp_failures, dcp_state, sharded_of
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
@@ -199,9 +199,10 @@ class DistributedCoordinator:
         if sharded:
             try:
                 # Collective; DCP itself reports a failure on every rank.
-                state, frozen = self.frozen_shards.prepare(
-                    sharded, dcp_state(sharded), tmp, self.any_rank, self.group,
-                    ck.store.chunks if self.rank == 0 else None)
+                state, frozen_state = split_frozen(sharded, dcp_state(sharded))
+                frozen = self.frozen_shards.prepare(frozen_state, tmp, self.any_rank,
+                                                    self.group,
+                                                    ck.store.chunks if self.rank == 0 else None)
                 local_sums = save_dcp(state, tmp, self.group)
             except dcp_errors() as e:
                 error, lasting = f"sharded state: {dcp_failure(e)}", _lasting(e, ck.store.root)

@@ -131,17 +131,15 @@ class FrozenShards:
         self._untrusted = False  # found changed behind the counters: hashed every time
         self._plans = 0
 
-    def prepare(self, sharded: Mapping[str, Any], state: dict[str, Any], tmp: Path,
-                any_rank: Callable[[bool], list[int]], group: Any,
-                chunks: ChunkStore | None) -> tuple[dict[str, Any], FrozenPart | None]:
-        """Collective: split the frozen parameters off ``state`` (what DCP saves of the
-        sharded statefuls) and, where any rank's changed, write them as a set into
-        ``tmp/FROZEN_DIR``. Returns what the checkpoint's own DCP save writes, and the part
-        to :meth:`commit` (rank 0) and then :meth:`durable` or :meth:`failed` (every rank).
-        ``chunks``: rank 0's chunk store (None elsewhere)."""
-        rest, frozen = split_frozen(sharded, state)
+    def prepare(self, frozen: dict[str, Any], tmp: Path, any_rank: Callable[[bool], list[int]],
+                group: Any, chunks: ChunkStore | None) -> FrozenPart | None:
+        """Collective: where any rank's ``frozen`` parameters (split off by
+        :func:`split_frozen`) changed, write them as a set into ``tmp/FROZEN_DIR``. Returns
+        the part to :meth:`commit` (rank 0) and then :meth:`durable` or :meth:`failed`
+        (every rank); None when nothing is frozen. ``chunks``: rank 0's chunk store (None
+        elsewhere)."""
         if not frozen:
-            return state, None
+            return None
         self._plans += 1
         verify = self.verify_every > 0 and self._plans % self.verify_every == 0
         changed, held = self._look(frozen, verify)
@@ -151,7 +149,7 @@ class FrozenShards:
         part = FrozenPart(bool(any_rank(changed)), held)
         if part.write:
             save_dcp(frozen, tmp / FROZEN_DIR, group)
-        return rest, part
+        return part
 
     def _look(self, frozen: dict[str, Any], verify: bool) -> tuple[bool, dict[Key, _Held]]:
         """(whether this rank's frozen entries changed since the set, their state now)."""

@@ -88,11 +88,13 @@ class GroupWrites:
         """What this rank copies at the agreed step (see :meth:`inputs`)."""
         return self.inputs(ck)[0]
 
-    def inputs(self, ck: GroupMember) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        """(what this rank copies, the live sharded state DCP plans from). The copy holds its
-        part (rank 0 the replicated state, other ranks their own random streams) and, with
-        sharded state, its local shards: ``{"part": ..., "shards": ...}``, without the frozen
-        parameters, which are not copied (frozen_shards.py)."""
+    def inputs(self, ck: GroupMember,
+               ) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any]]:
+        """(what this rank copies, the live sharded state DCP plans from, the frozen sharded
+        parameters). The copy holds its part (rank 0 the replicated state, other ranks their
+        own random streams) and, with sharded state, its local shards: ``{"part": ...,
+        "shards": ...}``. The frozen parameters are split off the live state and not copied
+        (frozen_shards.py)."""
         coordinator = self.coordinator
         sharded = set(self.shards.sharded) if self.shards is not None else set()
         if coordinator.rank == 0:
@@ -101,10 +103,9 @@ class GroupWrites:
             part = {"format": RANK_FILE_FORMAT, "rank": coordinator.rank,
                     "world_size": coordinator.world_size, "step": ck.step, **ck.rank_payload()}
         if self.shards is None:
-            return part, None
-        live = self.shards.live()
-        rest, _ = split_frozen(self.shards.sharded, live)
-        return {"part": part, "shards": self.shards.locals_of(rest)}, live
+            return part, None, {}
+        live, frozen = split_frozen(self.shards.sharded, self.shards.live())
+        return {"part": part, "shards": self.shards.locals_of(live)}, live, frozen
 
     def start(self, ck: GroupMember, reason: str, position: Position,
               request: ctl.Request | None) -> bool:
@@ -119,13 +120,12 @@ class GroupWrites:
             logger.error("%s", e)
             return False
         started = time.monotonic()
-        payload, live = self.inputs(ck)
+        payload, live, frozen_state = self.inputs(ck)
         frozen: FrozenPart | None = None
         if live is not None:
-            assert self.shards is not None
             try:  # collective; a set to write is written now, synchronously
-                live, frozen = coordinator.frozen_shards.prepare(
-                    self.shards.sharded, live, tmp, coordinator.any_rank, coordinator.group,
+                frozen = coordinator.frozen_shards.prepare(
+                    frozen_state, tmp, coordinator.any_rank, coordinator.group,
                     ck.store.chunks if coordinator.rank == 0 else None)
             except dcp_errors() as e:
                 logger.error("frozen sharded parameters: %s", dcp_failure(e))

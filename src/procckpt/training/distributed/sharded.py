@@ -205,17 +205,20 @@ def load_sharded(statefuls: Mapping[str, Any], path: Path, names: list[str],
         # As DCP does with a Stateful: its state dict, loaded in place, then handed back;
         # here in two halves, each from the checkpoint that holds it.
         held = _safe_dcp_reader(frozen_set).read_metadata().state_dict_metadata
-        state = {n: targets[n].state_dict() for n in names}
-        frozen = {n: {"model": {k: v for k, v in state[n]["model"].items()
-                                if f"{n}.model.{k}" in held}} for n in names}
-        frozen = {n: part for n, part in frozen.items() if part["model"]}
-        rest = {n: {**state[n], "model": {k: v for k, v in state[n]["model"].items()
-                                          if k not in frozen.get(n, {}).get("model", {})}}
-                for n in names}
+        rest: dict[str, Any] = {}
+        frozen: dict[str, Any] = {}
+        for n in names:
+            state = targets[n].state_dict()
+            model = state["model"]
+            apart = {k: v for k, v in model.items() if f"{n}.model.{k}" in held}
+            rest[n] = {**state, "model": {k: v for k, v in model.items() if k not in apart}}
+            if apart:
+                frozen[n] = {"model": apart}
         load(rest, path)
         load(frozen, frozen_set)
         for n in names:
-            rest[n]["model"].update(frozen.get(n, {}).get("model", {}))
+            if n in frozen:
+                rest[n]["model"].update(frozen[n]["model"])
             targets[n].load_state_dict(rest[n])
         return frozen
     except dcp_errors() as e:

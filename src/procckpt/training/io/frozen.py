@@ -36,8 +36,8 @@ import torch
 from ...store.chunks import ChunkStore
 from ...store.pending import PendingCheckpoint
 
-__all__ = ["FrozenChunks", "ChunkPlan", "resolve_chunks", "bytes_of", "PLACEHOLDER", "MIN_BYTES",
-           "VERIFY_EVERY"]
+__all__ = ["FrozenChunks", "ChunkPlan", "resolve_chunks", "bytes_of", "PLACEHOLDER",
+           "MIN_BYTES", "VERIFY_EVERY"]
 
 logger = logging.getLogger(__name__)
 
