@@ -30,10 +30,6 @@ RUNS = {"python": (("--epochs", "10"), "0.12", "15s"),
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 
 
-def checkpoint_events(ckpt: Path) -> list[dict]:
-    return events(ckpt, "checkpoint") if (ckpt / "events.jsonl").exists() else []
-
-
 def kept_manifests(ckpt: Path) -> list[dict]:
     return [json.loads(m.read_text())
             for m in sorted((ckpt / "checkpoints").glob("ckpt-*[0-9]/MANIFEST.json"))]
@@ -127,7 +123,7 @@ def test_frozen_shards_written_by_two_ranks_load_into_three(workdir: Path):
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     first = stopped_once(["--dir", str(ckpt), "--interval", "2s", "--", *TORCHRUN, *args,
                           "--step-sleep", "0.25"], workdir,
-                         lambda: len(checkpoint_events(ckpt)) >= 2)
+                         lambda: len(events(ckpt, "checkpoint")) >= 2)
     assert first.returncode == 75, first.stderr[-3000:]
     (written_by_two,) = {json.dumps(m["frozen_shards"]) for m in kept_manifests(ckpt)}
 

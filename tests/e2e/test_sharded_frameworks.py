@@ -35,9 +35,10 @@ def fsdp_run(workdir: Path, framework: str, *args: str) -> tuple[Path, Path, str
     # a rank of 1.5 s; the third allocation trains the rest.
     stdout = ""
     for _ in range(2):
-        saved = len(_checkpoints(ckpt))
-        stopped = stopped_once(command, workdir,
-                               lambda saved=saved: len(_checkpoints(ckpt)) > saved)
+        saved = len(events(ckpt, "checkpoint"))
+        stopped = stopped_once(
+            command, workdir,
+            lambda saved=saved: len(events(ckpt, "checkpoint")) > saved)
         assert stopped.returncode == 75, stopped.stderr[-4000:]
         stdout += stopped.stdout
     res = run([*procckpt_argv(), "run", *command], cwd=workdir, timeout=900)
@@ -48,10 +49,6 @@ def fsdp_run(workdir: Path, framework: str, *args: str) -> tuple[Path, Path, str
     assert len(periodic) >= 2, periodic
     assert_bit_identical(expected, out)
     return ckpt, out, stdout + res.stdout
-
-
-def _checkpoints(ckpt: Path) -> list[dict]:
-    return events(ckpt, "checkpoint") if (ckpt / "events.jsonl").exists() else []
 
 
 def test_lightning_fsdp2_on_two_ranks_resumes_bit_identical_from_its_distributed_checkpoint(
