@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import socket
 import subprocess
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 
@@ -75,6 +77,11 @@ class FakeSlurm:
         self.slurmd_port = 6818
         #: What ``scontrol show job`` prints once ``scontrol requeue`` has run, if it changes.
         self.record_after_requeue: str | None = None
+        #: ``KillWait`` in ``scontrol show config``, in seconds (None: not said).
+        self.kill_wait: int | None = None
+        #: Set: ``scontrol show job`` answers only once it is set (a controller that is slow).
+        self.answer = threading.Event()
+        self.answer.set()
 
     def which(self, name: str) -> str | None:
         return f"/usr/bin/{name}" if name in self.tools else None
@@ -90,6 +97,7 @@ class FakeSlurm:
         elif argv[:3] == ["scontrol", "show", "hostnames"]:
             out = "\n".join(self.nodes) + "\n"
         elif argv[:3] == ["scontrol", "-o", "show"]:
+            self.answer.wait(30)
             out = self.record + "\n"
         elif argv[:2] == ["scontrol", "requeue"]:
             rc, err = self.requeue_rc, self.requeue_err
@@ -100,6 +108,8 @@ class FakeSlurm:
             out = f"JobCompType             = jobcomp/none\nJobFileAppend           = " \
                   f"{self.job_file_append}\nJobRequeue              = 1\n" \
                   f"SlurmdPort              = {self.slurmd_port}\n"
+            if self.kill_wait is not None:
+                out += f"KillWait                = {self.kill_wait} sec\n"
         return subprocess.CompletedProcess(argv, rc, out, err)
 
     def requeues(self) -> list[list[str]]:
@@ -170,6 +180,16 @@ def test_an_end_time_that_is_no_future_time_is_ignored_with_a_warning(bad: str, 
 
 
 # -- the deadline -----------------------------------------------------------------------------
+def end_after_reads(deadline: SlurmDeadline, cycle_started: float, now: float) -> float | None:
+    """The deadline's end once a read that this call starts (in a thread) has answered."""
+    deadline.end(cycle_started, now)
+    for _ in range(500):
+        if not deadline.refreshing:
+            break
+        time.sleep(0.01)
+    return deadline.end(cycle_started, now)
+
+
 def test_deadline_is_the_jobs_end_time_and_is_read_again_now_and_then(caplog):
     fake, clock = FakeSlurm(record_line(end=NOW + 600, limit="00:10:00")), Clock()
     deadline = SlurmDeadline(make_job(fake), wall=clock)
@@ -186,15 +206,34 @@ def test_deadline_is_the_jobs_end_time_and_is_read_again_now_and_then(caplog):
     fake.record = record_line(end=NOW + 900, limit="00:15:00")
     clock.wall += 31
     with caplog.at_level(logging.INFO, logger="procckpt"):
-        assert deadline.end(1000.0, 1061.0) == pytest.approx(1900.0, abs=1)
+        assert end_after_reads(deadline, 1000.0, 1061.0) == pytest.approx(1900.0, abs=1)
     assert "the end time moved by 5m00s" in caplog.text
     # Near the end it is read every 10 s.
     clock.wall = NOW + 800
-    deadline.end(1000.0, 1800.0)
+    end_after_reads(deadline, 1000.0, 1800.0)
     reads = len(fake.calls)
     clock.wall += 11
-    deadline.end(1000.0, 1811.0)
+    end_after_reads(deadline, 1000.0, 1811.0)
     assert len(fake.calls) == reads + 1
+
+
+def test_a_slow_controller_never_holds_the_launchers_loop():
+    # scontrol may wait its whole timeout for a busy slurmctld: meanwhile the launcher must go
+    # on reacting to signals, so the end time is re-read in the background.
+    fake, clock = FakeSlurm(record_line(end=NOW + 600, limit="00:10:00")), Clock()
+    deadline = SlurmDeadline(make_job(fake), wall=clock)
+    assert deadline.end(0.0, 0.0) == pytest.approx(600.0, abs=1)
+    fake.answer.clear()
+    try:
+        fake.record = record_line(end=NOW + 900, limit="00:15:00")
+        clock.wall += 61
+        started = time.monotonic()
+        for _ in range(3):
+            assert deadline.end(0.0, 61.0) == pytest.approx(600.0, abs=1)
+        assert time.monotonic() - started < 5 and deadline.refreshing
+    finally:
+        fake.answer.set()
+    assert end_after_reads(deadline, 0.0, 61.0) == pytest.approx(900.0, abs=1)
 
 
 def test_an_ending_job_does_not_move_the_deadline():
@@ -205,7 +244,7 @@ def test_an_ending_job_does_not_move_the_deadline():
     deadline.end(0.0, 0.0)
     fake.record = record_line(state="COMPLETING", end=NOW + 61)
     clock.wall += 61
-    deadline.end(0.0, 61.0)
+    end_after_reads(deadline, 0.0, 61.0)
     assert deadline.seconds_left() == pytest.approx(539, abs=1)
 
 
@@ -264,6 +303,52 @@ def test_sigterm_far_from_the_end_is_a_cancel_and_is_not_requeued():
     assert fake.requeues() == []
     # The command stopping by itself after a SIGTERM of its own is judged the same way.
     assert policy.classify(StopCause.CHILD, None) is StopKind.CANCEL
+
+
+def record_reads(fake: FakeSlurm) -> int:
+    return sum(1 for call in fake.calls if call[:3] == ["scontrol", "-o", "show"])
+
+
+def test_why_the_job_stops_is_asked_while_the_checkpoint_is_written():
+    fake, clock = FakeSlurm(), Clock()
+    policy = policy_for(fake, clock=clock)
+    reads = record_reads(fake)
+    policy.deadline.stop_asked("SIGTERM")
+    # Slurm's answer comes in the background, before the checkpoint is done ...
+    for _ in range(200):
+        if record_reads(fake) > reads:
+            break
+        time.sleep(0.01)
+    assert record_reads(fake) == reads + 1
+    # ... and the decision after it asks nothing more.
+    verdict = policy.after_stop(StopCause.SIGNAL, "SIGTERM", 0)
+    assert "no time limit near and no preemption (scancel?): not requeued" in verdict.message
+    assert record_reads(fake) == reads + 1
+
+
+def test_a_controller_silent_until_the_kill_still_gets_procckpts_last_words():
+    fake, clock = FakeSlurm(), Clock()
+    fake.kill_wait = 10
+    policy = policy_for(fake, clock=clock)
+    assert policy.deadline.kill_wait == 10
+    fake.answer.clear()
+    try:
+        policy.deadline.stop_asked("SIGTERM")
+        clock.wall = NOW + 7.5  # the checkpoint took 7.5 s of the 10 before the SIGKILL
+        started = time.monotonic()
+        verdict = policy.after_stop(StopCause.SIGNAL, "SIGTERM", 0)
+        assert time.monotonic() - started < 5
+    finally:
+        fake.answer.set()
+    assert verdict.decision is Decision.EXIT_RETRY and fake.requeues() == []
+    assert "Slurm did not say within its KillWait whether the job is preempted: not " \
+        "requeued" in verdict.message
+    # With time left before the kill, a late answer is waited for.
+    fake.answer.clear()
+    policy.deadline.stop_asked("SIGTERM")
+    threading.Timer(0.5, fake.answer.set).start()
+    clock.wall = NOW + 1
+    assert policy.classify(StopCause.SIGNAL, "SIGTERM") is StopKind.CANCEL
 
 
 def test_sigterm_at_the_time_limit_or_on_preemption_is_requeued():

@@ -28,6 +28,11 @@ class Deadline:
         """
         return None
 
+    def stop_asked(self, reason: str) -> None:
+        """A signal asked for a checkpoint and a stop (``reason``: its name). A source that
+        must ask the scheduler why the job is stopping may start asking now, while the
+        checkpoint is written, rather than after it with the kill close behind."""
+
 
 class NoDeadline(Deadline):
     source = "no time limit"

@@ -161,6 +161,7 @@ class CycleWatch:
                 outcome.forwarded.append(name)
         elif action is Action.CHECKPOINT_STOP and self.stop is None:
             outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
+            self.deadline.stop_asked(name)
             # SIGTERM comes with the scheduler's kill close behind; USR1 is a warning.
             self._begin_stop(name, now, warned=signum != signal.SIGTERM)
         elif action is Action.CHECKPOINT and self.stop is None:

@@ -23,6 +23,8 @@ class StopKind(enum.Enum):
     TIME_LIMIT = "time limit"
     PREEMPTION = "preemption"
     CANCEL = "cancel"
+    #: A SIGTERM with no time limit near, and Slurm did not say in time whether it preempts.
+    UNANSWERED = "unanswered"
     LOCAL_LIMIT = "local time limit"
 
 
@@ -51,10 +53,10 @@ class SlurmRequeue:
         left = self.deadline.seconds_left()
         if left is not None and left <= NEAR_END:
             return StopKind.TIME_LIMIT
-        record = self.job.record()
+        record, answered = self.deadline.record_at_stop()
         if record is not None and record.preempted:
             return StopKind.PREEMPTION
-        return StopKind.CANCEL
+        return StopKind.CANCEL if answered else StopKind.UNANSWERED
 
     def after_stop(self, cause: StopCause, signal_name: str | None, restarts: int) -> Verdict:
         kind = self.classify(cause, signal_name)
@@ -66,6 +68,12 @@ class SlurmRequeue:
                            f"{label} was stopped by {signal_name or 'a signal to the command'} "
                            "with no time limit near and no preemption (scancel?): not "
                            "requeued. The checkpoint is kept: submit the job again to resume")
+        if kind is StopKind.UNANSWERED:
+            return Verdict(Decision.EXIT_RETRY,
+                           f"{label} was stopped by {signal_name or 'a signal to the command'} "
+                           "with no time limit near, and Slurm did not say within its KillWait "
+                           "whether the job is preempted: not requeued. The checkpoint is kept: "
+                           "if Slurm does not requeue the job itself, submit it again to resume")
         why = "its time limit is near" if kind is StopKind.TIME_LIMIT else "it is preempted"
         return self._requeue(why, restarts)
 
