@@ -97,12 +97,16 @@ class JobWatcher:
             return [r for r in self.records.values()
                     if r.get("JobId") == str(job_id) or r.get("ArrayJobId") == str(job_id)]
 
-    def wait(self, what: str, check: Callable[[], bool], timeout: float = WAIT) -> None:
+    def wait(self, what: str, check: Callable[[], bool], timeout: float = WAIT,
+             job: Job | None = None) -> None:
+        """Until ``check()``; on timeout, an error with the records, the daemons' logs and
+        the end of ``job``'s output."""
         deadline = time.monotonic() + timeout
         while not check():
             if time.monotonic() > deadline:
+                output = f"\n--- the job's output ---\n{job.log[-3000:]}" if job else ""
                 raise AssertionError(f"timed out waiting for {what}; last records: "
-                                     f"{self.records}\n{self.cluster.log_tails(15)}")
+                                     f"{self.records}\n{self.cluster.log_tails(15)}{output}")
             time.sleep(1)
 
     def wait_done(self, job_id: int, timeout: float = WAIT) -> dict[str, str]:
@@ -293,11 +297,46 @@ def test_scancel_checkpoints_and_is_not_requeued(slurm_jobs: Submitted):
     watcher.poll()
     record = watcher.tasks(job.job_id)[0]
     assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", record
-    watcher.wait("procckpt's last words", lambda: "not requeued" in job.log, timeout=30)
+    watcher.wait("procckpt's last words", lambda: "not requeued" in job.log, timeout=30,
+                 job=job)
     assert "with no time limit near and no preemption (scancel?): not requeued" in job.log
     saved = [e for e in job.events if e["event"] == "checkpoint"]
     assert saved and saved[-1]["reason"] == "SIGTERM", saved[-1:]
     assert len(cycle_starts(job.log)) == 1
+
+
+def test_scancel_while_slurmctld_does_not_answer_still_gets_procckpts_last_words(
+        slurm_jobs: Submitted):
+    # A busy controller can keep scontrol waiting longer than the KillWait between scancel's
+    # SIGTERM and its SIGKILL. A stand-in scontrol (the real one, but `show job` answers a
+    # minute late once the test says so) makes the controller that slow for this job alone.
+    cluster, watcher = slurm_jobs.cluster, slurm_jobs.watcher
+    job = slurm_jobs.jobs["silent"] = Job("silent", slurm_jobs.tiny_reference.parent.parent /
+                                          "silent")
+    job.workdir.mkdir()
+    slow, shim = job.workdir / "slow", job.workdir / "bin"
+    shim.mkdir()
+    real = shutil.which("scontrol", path=cluster.env["PATH"])
+    assert real is not None
+    (shim / "scontrol").write_text(
+        f'#!/bin/bash\nif [ -e {slow} ] && [ "$1 $2 $3" = "-o show job" ]; then sleep 60; fi\n'
+        f'exec {real} "$@"\n')
+    (shim / "scontrol").chmod(0o755)
+    procckpt_sbatch(cluster, job, ["-t", "10"], [PYTHON, str(TINY), *ENDLESS_ARGS],
+                    env={"PATH": f"{shim}:{job_env(cluster)['PATH']}"})
+    watcher.wait("the job to train a few steps", lambda: len(trained_steps(job.log)) >= 4,
+                 job=job)
+    slow.touch()
+    cluster.scancel(job.job_id)
+    # Said at all means said before the SIGKILL, KillWait after the SIGTERM.
+    watcher.wait("procckpt's last words", lambda: "not requeued" in job.log, timeout=60,
+                 job=job)
+    assert ("was stopped by SIGTERM with no time limit near, and Slurm did not say within its "
+            "KillWait whether the job is preempted: not requeued") in job.log
+    saved = [e for e in job.events if e["event"] == "checkpoint"]
+    assert saved and saved[-1]["reason"] == "SIGTERM", saved[-1:]
+    record = watcher.wait_done(job.job_id, timeout=60)
+    assert record["JobState"] == "CANCELLED" and record["Restarts"] == "0", record
 
 
 def test_sbatch_requeues_through_three_cycles_and_resumes_exactly(slurm_jobs: Submitted):
