@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from procckpt.launcher.engines.dmtcp import (
     find_dmtcp,
 )
 from procckpt.errors import UsageError
+from procckpt.launcher.engines.dmtcp.coordinator import Coordinator
 from procckpt.store import CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
@@ -148,3 +151,43 @@ def test_one_stalled_image_is_passing_and_two_in_a_row_are_the_failure_that_repe
     assert stuck.message.startswith("DMTCP could not checkpoint the command (twice in a row no "
                                     "byte of its image written for 15s, the last 17s after")
     assert "DataLoader workers, or a child it started?" in stuck.message
+
+
+class FakeCoordinator:
+    """Answers dmtcp_command as a coordinator would: --status from a script of peer counts,
+    and records what else it was sent."""
+
+    def __init__(self, peers: list[int]) -> None:
+        self.peers = peers
+        self.sent: list[tuple[str, int]] = []  # (command, peers when it was sent)
+        self.now = 0
+
+    def run(self, argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        command = argv[-1]
+        if command == "--status":
+            self.now = self.peers.pop(0) if len(self.peers) > 1 else self.peers[0]
+            return subprocess.CompletedProcess(argv, 0, f"NUM_PEERS={self.now}\nRUNNING=yes\n", "")
+        self.sent.append((command, self.now))
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+
+def test_a_checkpoint_request_waits_for_a_short_lived_child_to_be_gone():
+    # A subprocess.run under way when the request lands: DMTCP 4.2 never wrote that image.
+    fake = FakeCoordinator([1, 2, 2, 2, 1])
+    coordinator = Coordinator(TOOLS, subprocess.Popen(["true"]), 1, run=fake.run)
+    assert coordinator.status() == (1, True)  # the command alone, as the cycle started
+    assert coordinator.checkpoint("--bcheckpoint")
+    assert fake.sent == [("--bcheckpoint", 1)]
+    # Processes that stay (a wrapper shell, workers) are waited for a moment only.
+    fake = FakeCoordinator([1, 3])
+    coordinator = Coordinator(TOOLS, subprocess.Popen(["true"]), 1, run=fake.run)
+    coordinator.status()
+    started = time.monotonic()
+    assert coordinator.checkpoint("--kcheckpoint", child_wait=0.3)
+    assert 0.3 <= time.monotonic() - started < 5 and fake.sent == [("--kcheckpoint", 3)]
+    # A command that always ran two processes is never waited for.
+    fake = FakeCoordinator([2])
+    coordinator = Coordinator(TOOLS, subprocess.Popen(["true"]), 1, run=fake.run)
+    coordinator.status()
+    started = time.monotonic()
+    assert coordinator.checkpoint("--bcheckpoint") and time.monotonic() - started < 0.3

@@ -27,6 +27,13 @@ _RUNNING_RE = re.compile(r"RUNNING=(yes|no)")
 
 Runner = Callable[..., "subprocess.CompletedProcess[str]"]
 
+#: How long a checkpoint request waits for the command to be back to its fewest processes.
+#: Measured in a CI run: a request that landed while the script's ``subprocess.run(["true"])``
+#: was alive never got an image written (DMTCP 4.2), and the cycle's work since the last
+#: image was lost. Such a child lives well under a second; workers that stay are waited for
+#: this long, then the request goes as before.
+CHILD_WAIT_S = 2.0
+
 
 class Coordinator:
     """A running ``dmtcp_coordinator`` and the commands sent to it.
@@ -43,6 +50,8 @@ class Coordinator:
         self._run = run
         #: The processes under DMTCP when the last checkpoint was asked for.
         self.peers = 0
+        #: The fewest processes seen running under DMTCP in this cycle: the command's own.
+        self.fewest: int | None = None
 
     @classmethod
     def start(cls, tools: DmtcpTools, work: Path, images: Path, port_file: Path,
@@ -102,11 +111,23 @@ class Coordinator:
         peers, running = _PEERS_RE.search(done.stdout), _RUNNING_RE.search(done.stdout)
         if peers is None or running is None:
             return None
-        return int(peers.group(1)), running.group(1) == "yes"
+        state = int(peers.group(1)), running.group(1) == "yes"
+        if state[1] and state[0] >= 1:
+            self.fewest = state[0] if self.fewest is None else min(self.fewest, state[0])
+        return state
 
-    def checkpoint(self, command: str) -> bool:
-        """Send one checkpoint command; False if the coordinator cannot take it now."""
+    def checkpoint(self, command: str, child_wait: float = CHILD_WAIT_S) -> bool:
+        """Send one checkpoint command; False if the coordinator cannot take it now.
+
+        While the command runs more processes than its fewest (a child that comes and goes),
+        the request waits up to ``child_wait`` seconds for them to be gone.
+        """
         state = self.status()
+        until = time.monotonic() + child_wait
+        while (state is not None and state[1] and self.fewest is not None
+               and state[0] > self.fewest and time.monotonic() < until):
+            time.sleep(0.05)
+            state = self.status()
         if state is None or not state[1] or state[0] < 1:
             return False  # a restore or another checkpoint is still in progress
         self.peers = state[0]
