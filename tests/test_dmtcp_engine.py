@@ -4,8 +4,10 @@ the image to restart from. tests/e2e/test_dmtcp.py runs the engine with the real
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +23,12 @@ from procckpt.launcher.engines.dmtcp import (
     find_dmtcp,
 )
 from procckpt.errors import UsageError
+from procckpt.launcher.child import Child
+from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.dmtcp.coordinator import Coordinator
+from procckpt.launcher.engines.dmtcp.cycle import Cycle, Job
+from procckpt.launcher.engines.dmtcp.forks import own_processes
+from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
@@ -191,3 +198,106 @@ def test_a_checkpoint_request_waits_for_a_short_lived_child_to_be_gone():
     coordinator.status()
     started = time.monotonic()
     assert coordinator.checkpoint("--bcheckpoint") and time.monotonic() - started < 0.3
+
+
+#: A command that forks a copy of itself (what a DataLoader worker is), may start another
+#: program, and leaves a third child unreaped; it writes READY once all are there.
+FAMILY = """
+import os, subprocess, sys, time
+if os.fork() == 0:
+    time.sleep(60)
+    os._exit(0)
+if {program}:
+    subprocess.Popen(["sleep", "60"])
+subprocess.Popen(["true"]).pid  # never waited for: a zombie once it exits
+time.sleep(0.5)
+open({ready!r}, "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.fixture
+def family(tmp_path: Path):
+    """Start a FAMILY behind procckpt's keeper, as a run starts its command; yields a function
+    that takes whether it starts a program and returns the keeper's pid."""
+    started: list[Child] = []
+
+    def start(program: bool) -> int:
+        ready = tmp_path / f"ready-{len(started)}"
+        child = Child([sys.executable, "-c", FAMILY.format(program=program, ready=str(ready))],
+                      os.environ)
+        child.start()
+        started.append(child)
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline and child.poll() is None
+            time.sleep(0.05)
+        return child.pid
+
+    yield start
+    for child in started:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait(30)
+
+
+def test_own_processes_tells_forked_copies_from_programs_the_command_started(family):
+    # below the keeper: the command, sleep, the command's copy; the zombie is not counted
+    assert own_processes(family(program=True)) == (3, 1)
+    assert own_processes(family(program=False)) == (2, 1)
+
+
+class ImagingCoordinator(FakeCoordinator):
+    """A FakeCoordinator that, asked for a checkpoint, writes complete images of ``images``
+    processes as DMTCP would."""
+
+    def __init__(self, engine: DmtcpEngine, images: int) -> None:
+        super().__init__([1])
+        self.engine, self.images = engine, images
+
+    def run(self, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        done = super().run(argv, **kwargs)
+        if argv[-1] != "--status":
+            names = [f"ckpt_python3.11_98ff-{40000 + 1000 * i}-1.dmtcp"
+                     for i in range(self.images)]
+            for name in names:
+                (self.engine.images / name).write_bytes(os.urandom(1000))
+            restart_script(self.engine, names)
+        return done
+
+
+def take(engine: DmtcpEngine, pid: int, images: int) -> Confirmation:
+    """One interval checkpoint of the command ``pid`` whose image holds ``images`` processes."""
+    fake = ImagingCoordinator(engine, images)
+    with subprocess.Popen(["sleep", "60"]) as coordinator_proc:
+        coordinator = Coordinator(TOOLS, coordinator_proc, 1, run=fake.run)
+        engine._cycle = Cycle("token", coordinator, None, pid=pid)
+        engine._cycle.running.set()
+        try:
+            return engine._checkpoint(Job(1, "interval", stop=False))
+        finally:
+            coordinator_proc.kill()
+
+
+def test_an_image_holding_forked_copies_is_not_kept_and_twice_in_a_row_ends_the_run(
+        engine: DmtcpEngine, family):
+    # An image of the command and its worker: DMTCP 4.2 restored such images with garbage
+    # batches (a CI run) or a crash in multiprocessing's resource_sharer (here).
+    workers = family(program=False)
+    refused = take(engine, workers, images=2)
+    assert refused.checkpoint is None and "forked copies of it (DataLoader" in refused.error
+    assert engine.store.checkpoints() == [] and list(engine.images.iterdir()) == []
+    assert engine.stuck is None, "once may be a passing worker"
+    assert take(engine, workers, images=1).checkpoint is not None  # between epochs: kept
+    assert take(engine, workers, images=2).checkpoint is None and engine.stuck is None
+    assert take(engine, workers, images=2).checkpoint is None
+    assert engine.stuck is not None and "twice in a row its image held forked copies" in \
+        engine.stuck and "num_workers=0" in engine.stuck
+    refusals = [e for e in read_events(engine.store.events_path) if e["event"] == "image-refused"]
+    assert [(e["processes"], e["copies"]) for e in refusals] == [(2, 1)] * 3
+
+
+def test_an_image_of_the_command_and_a_program_it_started_is_kept(engine: DmtcpEngine, family):
+    kept = take(engine, family(program=True), images=2)  # itself and `sleep` (the copy is gone)
+    assert kept.checkpoint is not None and kept.error is None
+    assert engine.store.newest_intact().manifest["dmtcp"]["images"] == [
+        "ckpt_python3.11_98ff-40000-1.dmtcp", "ckpt_python3.11_98ff-41000-1.dmtcp"]

@@ -32,7 +32,15 @@ def main() -> None:
     parser.add_argument("--hold-unsaveable", action="store_true",
                         help="after the last step, forbid DMTCP checkpoints and wait until a "
                         "SIGTERM, which ends it with exit code 0 (a graceful handler)")
+    parser.add_argument("--fork-copy", action="store_true",
+                        help="fork a copy of itself that lives as long as it does (what a "
+                        "DataLoader worker or multiprocessing's fork makes)")
     args = parser.parse_args()
+    if args.fork_copy and os.fork() == 0:
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(0)
     # Random bytes no second start could reproduce: the hash printed now and the one written
     # at the end agree only if every cycle continued this very process's memory.
     ballast = os.urandom(args.ballast_mb << 20)

@@ -116,11 +116,13 @@ class Coordinator:
             self.fewest = state[0] if self.fewest is None else min(self.fewest, state[0])
         return state
 
-    def checkpoint(self, command: str, child_wait: float = CHILD_WAIT_S) -> bool:
+    def checkpoint(self, command: str, child_wait: float = CHILD_WAIT_S,
+                   before_send: Callable[[], object] | None = None) -> bool:
         """Send one checkpoint command; False if the coordinator cannot take it now.
 
         While the command runs more processes than its fewest (a child that comes and goes),
-        the request waits up to ``child_wait`` seconds for them to be gone.
+        the request waits up to ``child_wait`` seconds for them to be gone. ``before_send`` is
+        called right before the command goes out.
         """
         state = self.status()
         until = time.monotonic() + child_wait
@@ -131,6 +133,8 @@ class Coordinator:
         if state is None or not state[1] or state[0] < 1:
             return False  # a restore or another checkpoint is still in progress
         self.peers = state[0]
+        if before_send is not None:
+            before_send()
         done = self.command(command, timeout=3600)
         if done is None:
             return False

@@ -29,6 +29,8 @@ class Job:
     wrote: bool = False  # whether any image byte appeared since
     committing: bool = False  # the images are complete and being moved into the store
     answered: bool = False  # its confirmation is out: a later request needs a new checkpoint
+    #: The command's (processes, forked copies of it) as the request went out.
+    processes: tuple[int, int] | None = None
 
 
 @dataclass

@@ -35,7 +35,7 @@ from .. import Confirmation, Engine
 from .coordinator import Coordinator
 from .images import ImageDir, restore_saved_files
 from .cycle import Cycle, Job
-from .forks import STALL_S, StuckImages, fork_safe_env
+from .forks import STALL_S, StuckImages, fork_safe_env, own_processes
 from .tools import DmtcpError, DmtcpTools
 
 __all__ = ["DmtcpEngine", "CKPT_SIGNAL"]
@@ -94,7 +94,7 @@ class DmtcpEngine(Engine):
         self._failed_images: set[str] = set()
         self._warned_processes = False
         self._monitor: threading.Thread | None = None
-        self.stuck_images = StuckImages()
+        self.stuck_images = StuckImages(store.events_path)
 
     @property
     def stuck(self) -> str | None:
@@ -333,13 +333,15 @@ class DmtcpEngine(Engine):
             if written is None:
                 return Confirmation(None, None, job.stop, job.seq, "DMTCP wrote no complete image")
             names, write_seconds = written
+            refused = self.stuck_images.refuse(len(names), job.processes)
+            if refused is not None:
+                self.image_dir.reset()
+                return Confirmation(None, None, job.stop, job.seq, refused)
             if len(names) > 1 and not self._warned_processes:
                 self._warned_processes = True
-                logger.warning("dmtcp: the command runs as %d processes (DataLoader workers, or "
-                               "a child it started?); "
-                               "DMTCP 4.2 did not restore such programs correctly in our tests "
-                               "(docs/dmtcp.md): use DataLoader(num_workers=0) under DMTCP, or "
-                               "the hooks engine", len(names))
+                logger.warning("dmtcp: the command runs as %d processes (programs it started); "
+                               "DMTCP restores them together, but procckpt's tests cover "
+                               "one-process commands: check the first resume", len(names))
             self.stuck_images.completed()
             job.committing = True
             info = self._commit(names, job, write_seconds, cycle)
@@ -380,7 +382,9 @@ class DmtcpEngine(Engine):
                     written, grew_at = size, now
                     job.wrote = True
                 elif not cycle.over.is_set() and now - grew_at > STALL_S:
-                    self._stalled(cycle, job, now - sent_at)
+                    # the command is frozen in DMTCP's checkpoint: end the cycle
+                    self.stuck_images.stalled(now - sent_at, cycle.coordinator.peers, job.wrote)
+                    cycle.kill()
                     return None
             if cycle.coordinator.exited:
                 script = self.image_dir.finished_script()
@@ -388,7 +392,8 @@ class DmtcpEngine(Engine):
                     return None
                 return self.image_dir.image_names(script), now - sent_at
             if sent_at is None and cycle.running.is_set() and not cycle.over.is_set():
-                if cycle.coordinator.checkpoint(command):
+                if cycle.coordinator.checkpoint(command,
+                                                before_send=lambda: self._count(cycle, job)):
                     sends += 1
                     sent_at = next_check = grew_at = time.monotonic()
                     job.sent_at = job.sent_at or sent_at
@@ -403,19 +408,13 @@ class DmtcpEngine(Engine):
                     continue
             time.sleep(POLL if sent_at is not None else 0.2)
 
-    def _stalled(self, cycle: Cycle, job: Job, waited: float) -> None:
-        """An image stopped growing before it was complete: end the cycle (the command is
-        frozen in DMTCP's checkpoint); the supervisor then says why."""
-        if self.stuck_images.stalled(waited, cycle.coordinator.peers):
-            logger.error("dmtcp: no byte of the image written for %.0fs, for the second time "
-                         "in a row; stopping the command", STALL_S)
-        else:
-            logger.warning("dmtcp: no byte of the image written for %.0fs; stopping the "
-                           "command, to go on from the last image (a second time in a row "
-                           "ends the run)", STALL_S)
-        append_event(self.store.events_path, "image-stuck", seconds=round(waited, 3),
-                     processes=cycle.coordinator.peers, wrote=job.wrote)
-        cycle.kill()
+    @staticmethod
+    def _count(cycle: Cycle, job: Job) -> None:
+        """Note the command's processes as the request goes out (StuckImages.refuse)."""
+        if cycle.pid:
+            image = cycle.restored_from
+            job.processes = own_processes(
+                cycle.pid, len(image.manifest["dmtcp"]["images"]) if image else 0)
 
     def _lost(self, cycle: Cycle) -> bool:
         """Whether a sent checkpoint request seems not to have started: no image is being

@@ -4,15 +4,26 @@ Measured (gdb on a stuck training script): a torch script that runs a subprocess
 ``fork()`` for good under DMTCP, because NumPy's OpenBLAS joins its threads in a pre-fork
 handler while one of them waits, in DMTCP's thread-start wrapper, for the lock the forking
 thread holds. With one OpenBLAS thread the fork returns and the image restores. A program
-with DataLoader worker processes forks fine then, but its images do not complete while a
-worker is alive (one taken between epochs, with none, does).
+with DataLoader worker processes forks fine then, but no image taken while a worker is alive
+can be used: most never complete, and those that do restore wrong (the workers hand batches
+over in shared memory, by file descriptors passed over a socket; after a restore those are
+gone: garbage targets in a CI run, ``OSError: Bad file descriptor`` here). One taken between
+epochs, with no worker alive, restores right.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
+from pathlib import Path
 
-__all__ = ["STALL_S", "StuckImages", "fork_safe_env", "stuck_message"]
+from ....protocol.events import append_event
+from ...hang import descendants, stat_fields
+
+__all__ = ["STALL_S", "StuckImages", "fork_safe_env", "own_processes", "stuck_message"]
+
+logger = logging.getLogger(__name__)
 
 #: An image with no byte written for this long after the request will not complete: DMTCP
 #: suspends the threads and starts writing within a second or two (a torch process's 650 MB
@@ -37,13 +48,46 @@ def fork_safe_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"OPENBLAS_NUM_THREADS": "1"}
 
 
+def own_processes(keeper: int, restored: int = 0) -> tuple[int, int]:
+    """The command's live processes (all below its ``keeper``, from /proc), and how many of
+    them are forked copies of their parent: the same executable and command line, as
+    DataLoader workers and multiprocessing's ``fork`` make them (and a child between its fork
+    and its exec). An image may hold the others only; see the module docstring.
+
+    Processes DMTCP restored all look alike in /proc (``mtcp_restart``, no command line): the
+    ``restored`` processes of the image a cycle started from (kept, so without copies) would
+    pass for copies of one another, and are not counted as such.
+    """
+    processes, copies, alike = 0, 0, 0
+    for pid in descendants(keeper):
+        fields = stat_fields(pid)
+        if fields is None or fields[0] == "Z":  # gone, or a zombie (not in an image)
+            continue
+        processes += 1
+        me = _identity(pid)
+        if me is not None and me == _identity(int(fields[1])):
+            copies += 1
+            alike += os.path.basename(me[0]).startswith("mtcp_restart")
+    return processes, copies - min(alike, max(restored - 1, 0))
+
+
+def _identity(pid: int) -> tuple[str, bytes] | None:
+    """A process's executable and command line; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.readlink(f"/proc/{pid}/exe"), f.read()
+    except OSError:
+        return None
+
+
 def stuck_message(what: str, processes: int) -> str:
     """Why DMTCP cannot checkpoint this command, and the ways out, in one line."""
     if processes > 1:
         why = (f"the command runs {processes} processes (DataLoader workers, or a child it "
-               "started?), and DMTCP 4.2 does not complete images of PyTorch programs with "
-               "worker processes. Ways out: DataLoader(num_workers=0), or --engine hooks "
-               "(procckpt.Checkpointer in the script)")
+               "started?), and DMTCP 4.2 cannot checkpoint PyTorch programs with worker "
+               "processes (their images stall, or restore without the workers' shared memory). "
+               "Ways out: DataLoader(num_workers=0), or --engine hooks (procckpt.Checkpointer "
+               "in the script)")
     else:
         why = ("the command is likely stuck in a fork under threads of a library other than "
                "NumPy's OpenBLAS (procckpt sets OPENBLAS_NUM_THREADS=1 unless it is set). Ways "
@@ -52,30 +96,70 @@ def stuck_message(what: str, processes: int) -> str:
 
 
 class StuckImages:
-    """Whether this command's images can complete, from how its checkpoints went."""
+    """Whether this command's images can complete and be used, from how its checkpoints went.
 
-    def __init__(self) -> None:
+    Args:
+        events_path: the run's event log, which gets the stalls and refusals (None: not kept).
+    """
+
+    def __init__(self, events_path: Path | None = None) -> None:
+        self.events_path = events_path
         #: Why no image will complete (a failure that repeats), once seen; else None.
         self.message: str | None = None
         self._unstarted = 0  # cycles in a row killed before their stop image began
-        self._stalls = 0  # images in a row that stopped growing
+        self._unusable = 0  # images in a row that stalled or were refused
 
-    def stalled(self, waited: float, processes: int) -> bool:
+    def stalled(self, waited: float, processes: int, wrote: bool = False) -> bool:
         """An image stopped growing for :data:`STALL_S` before it was complete. Twice in a
-        row, no image will: once may be a request that met a short-lived child process
-        (a ``subprocess.run`` under way), and the next cycle, restarted from the last image,
-        takes its images as before. Returns whether it repeats."""
-        self._stalls += 1
-        if self._stalls < 2:
+        row (stalled or refused), no image will: once may be a request that met a short-lived
+        child process (a ``subprocess.run`` under way), and the next cycle, restarted from the
+        last image, takes its images as before. Returns whether it repeats."""
+        self._event("image-stuck", seconds=round(waited, 3), processes=processes, wrote=wrote)
+        repeats = self._unusable_again(
+            f"no byte of its image written for {STALL_S:.0f}s, the last {waited:.0f}s after "
+            "the request", processes)
+        if repeats:
+            logger.error("dmtcp: no byte of the image written for %.0fs, for the second time "
+                         "in a row; stopping the command", STALL_S)
+        else:
+            logger.warning("dmtcp: no byte of the image written for %.0fs; stopping the "
+                           "command, to go on from the last image (a second time in a row "
+                           "ends the run)", STALL_S)
+        return repeats
+
+    def refuse(self, images: int, processes: tuple[int, int] | None) -> str | None:
+        """Why a complete image of ``images`` processes must not be kept, or None. It must not
+        when it holds more than the command's ``processes`` less its forked copies (DataLoader
+        workers, multiprocessing; one started just after the request counts too), as they
+        were when the request went out: see the module docstring. Counted with the stalls."""
+        if processes is None or images <= processes[0] - processes[1]:
+            return None
+        self._event("image-refused", processes=images, copies=processes[1])
+        why = (f"the image holds {images} processes, {images - processes[0] + processes[1]} "
+               "more than the command's own programs: forked copies of it (DataLoader "
+               "workers, multiprocessing), and DMTCP 4.2 restored such images wrong in "
+               "procckpt's tests (garbage batches, or a crash), so it is not kept")
+        if self._unusable_again("its image held forked copies of the command, which DMTCP "
+                                "4.2 did not restore right in procckpt's tests", images):
+            logger.error("dmtcp: %s, for the second time in a row", why)
+        else:
+            logger.warning("dmtcp: %s (a second time in a row ends the run)", why)
+        return why
+
+    def _unusable_again(self, what: str, processes: int) -> bool:
+        self._unusable += 1
+        if self._unusable < 2:
             return False
-        self.message = stuck_message(
-            f"twice in a row no byte of its image written for {STALL_S:.0f}s, the last "
-            f"{waited:.0f}s after the request", processes)
+        self.message = stuck_message(f"twice in a row {what}", processes)
         return True
 
+    def _event(self, event: str, **fields: object) -> None:
+        if self.events_path is not None:
+            append_event(self.events_path, event, **fields)
+
     def completed(self) -> None:
-        """An image was complete: the stalls before it were passing ones."""
-        self._stalls = 0
+        """An image was kept: the stalls and refusals before it were passing ones."""
+        self._unusable = 0
 
     def stop_ended(self, confirmed: bool, wrote: bool, sent_at: float | None, over_at: float,
                    processes: int) -> None:
