@@ -27,6 +27,7 @@ from procckpt.launcher.child import Child
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.dmtcp.coordinator import Coordinator
 from procckpt.launcher.engines.dmtcp.cycle import Cycle, Job
+from procckpt.launcher.engines.dmtcp import forks
 from procckpt.launcher.engines.dmtcp.forks import own_processes
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
@@ -160,6 +161,35 @@ def test_one_stalled_image_is_passing_and_two_in_a_row_are_the_failure_that_repe
     assert "DataLoader workers, or a child it started?" in stuck.message
 
 
+def test_stalls_refusals_and_stops_that_never_began_count_together_once_per_cycle():
+    from procckpt.launcher.engines.dmtcp.forks import StuckImages
+
+    stuck = StuckImages()
+    # a stop whose image stalled: killed 16 s after the request, counted once, not twice
+    assert not stuck.stalled(16.0, 3)
+    stuck.stop_ended(False, False, 100.0, 116.0, 3, counted=True)
+    assert stuck.message is None
+    # the next cycle's stop had not begun its image at the deadline (a CI run: a refused
+    # image, then this, then a third cycle before the run stopped)
+    stuck.stop_ended(False, False, 200.0, 206.0, 3, counted=False)
+    assert stuck.message is not None and "twice in a row no byte of its image written in " \
+        "the 6s from the request to the deadline" in stuck.message
+    python, true = "ckpt_python3.11_98ff-40000-1.dmtcp", "ckpt_true_98ff-41000-2.dmtcp"
+    worker = "ckpt_python3.11_98ff-42000-3.dmtcp"
+    stuck = StuckImages()
+    assert stuck.refuse([python, worker], (2, 1)) is not None and stuck.message is None
+    stuck.stop_ended(False, True, 100.0, 101.0, 2, counted=True)  # the refused stop image
+    stuck.completed()  # an image taken between epochs was kept
+    stuck.stop_ended(False, False, 200.0, 202.0, 2, counted=False)  # too brief to tell
+    assert stuck.refuse([python, worker], (3, 1)) is None  # a wrapper shell and python
+    # a subprocess.run that began just after the request: another program, no copy (CI)
+    assert stuck.refuse([python, true], (1, 0)) is None
+    # a worker forked just after the request: two images of one program
+    assert stuck.refuse([python, worker], (1, 0)) is not None and stuck.message is None
+    assert stuck.refuse([python, worker], (2, 1)) is not None
+    assert stuck.message is not None and "held forked copies" in stuck.message
+
+
 class FakeCoordinator:
     """Answers dmtcp_command as a coordinator would: --status from a script of peer counts,
     and records what else it was sent."""
@@ -217,10 +247,13 @@ time.sleep(60)
 
 
 @pytest.fixture
-def family(tmp_path: Path):
+def family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """Start a FAMILY behind procckpt's keeper, as a run starts its command; yields a function
-    that takes whether it starts a program and returns the keeper's pid."""
+    that takes whether it starts a program and returns the keeper's pid. Every process below
+    a keeper passes for one under DMTCP here (there, they map its library)."""
     started: list[Child] = []
+    monkeypatch.setattr(forks, "_under_dmtcp",
+                        lambda pid: pid not in [child.pid for child in started])
 
     def start(program: bool) -> int:
         ready = tmp_path / f"ready-{len(started)}"

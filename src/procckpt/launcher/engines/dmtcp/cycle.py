@@ -31,6 +31,7 @@ class Job:
     answered: bool = False  # its confirmation is out: a later request needs a new checkpoint
     #: The command's (processes, forked copies of it) as the request went out.
     processes: tuple[int, int] | None = None
+    unusable: bool = False  # its image stalled or was refused (counted in StuckImages)
 
 
 @dataclass

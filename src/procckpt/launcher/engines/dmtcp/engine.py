@@ -205,7 +205,7 @@ class DmtcpEngine(Engine):
         confirmed = c if c is not None and c.stopping and c.checkpoint is not None else None
         if job is not None and job.stop:
             self.stuck_images.stop_ended(confirmed is not None, job.wrote, job.sent_at,
-                                         cycle.over_at, cycle.coordinator.peers)
+                                         cycle.over_at, cycle.coordinator.peers, job.unusable)
         return confirmed
 
     def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
@@ -333,8 +333,9 @@ class DmtcpEngine(Engine):
             if written is None:
                 return Confirmation(None, None, job.stop, job.seq, "DMTCP wrote no complete image")
             names, write_seconds = written
-            refused = self.stuck_images.refuse(len(names), job.processes)
+            refused = self.stuck_images.refuse(names, job.processes)
             if refused is not None:
+                job.unusable = True
                 self.image_dir.reset()
                 return Confirmation(None, None, job.stop, job.seq, refused)
             if len(names) > 1 and not self._warned_processes:
@@ -384,6 +385,7 @@ class DmtcpEngine(Engine):
                 elif not cycle.over.is_set() and now - grew_at > STALL_S:
                     # the command is frozen in DMTCP's checkpoint: end the cycle
                     self.stuck_images.stalled(now - sent_at, cycle.coordinator.peers, job.wrote)
+                    job.unusable = True
                     cycle.kill()
                     return None
             if cycle.coordinator.exited:

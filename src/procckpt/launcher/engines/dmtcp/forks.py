@@ -48,27 +48,37 @@ def fork_safe_env(environ: Mapping[str, str]) -> dict[str, str]:
     return {"OPENBLAS_NUM_THREADS": "1"}
 
 
-def own_processes(keeper: int, restored: int = 0) -> tuple[int, int]:
-    """The command's live processes (all below its ``keeper``, from /proc), and how many of
-    them are forked copies of their parent: the same executable and command line, as
-    DataLoader workers and multiprocessing's ``fork`` make them (and a child between its fork
-    and its exec). An image may hold the others only; see the module docstring.
+def own_processes(root: int, restored: int = 0) -> tuple[int, int]:
+    """The command's live processes under DMTCP (``root`` and those below it that map DMTCP's
+    library: not procckpt's keeper in front of the command), from /proc, and how many of them
+    are forked copies of their parent: the same executable and command line, as DataLoader
+    workers and multiprocessing's ``fork`` make them (and a child between its fork and its
+    exec). An image may hold the others only; see the module docstring.
 
     Processes DMTCP restored all look alike in /proc (``mtcp_restart``, no command line): the
     ``restored`` processes of the image a cycle started from (kept, so without copies) would
     pass for copies of one another, and are not counted as such.
     """
     processes, copies, alike = 0, 0, 0
-    for pid in descendants(keeper):
+    for pid in [root, *descendants(root)]:
         fields = stat_fields(pid)
-        if fields is None or fields[0] == "Z":  # gone, or a zombie (not in an image)
+        if fields is None or fields[0] == "Z" or not _under_dmtcp(pid):  # zombies are in no image
             continue
         processes += 1
-        me = _identity(pid)
-        if me is not None and me == _identity(int(fields[1])):
+        me, parent = _identity(pid), int(fields[1])
+        if me is not None and _under_dmtcp(parent) and me == _identity(parent):
             copies += 1
             alike += os.path.basename(me[0]).startswith("mtcp_restart")
     return processes, copies - min(alike, max(restored - 1, 0))
+
+
+def _under_dmtcp(pid: int) -> bool:
+    """Whether the process maps DMTCP's library (launched or restored by DMTCP both do)."""
+    try:
+        with open(f"/proc/{pid}/maps", "rb") as f:
+            return any(b"libdmtcp" in line for line in f)
+    except OSError:
+        return False
 
 
 def _identity(pid: int) -> tuple[str, bytes] | None:
@@ -106,8 +116,8 @@ class StuckImages:
         self.events_path = events_path
         #: Why no image will complete (a failure that repeats), once seen; else None.
         self.message: str | None = None
-        self._unstarted = 0  # cycles in a row killed before their stop image began
-        self._unusable = 0  # images in a row that stalled or were refused
+        #: Images in a row that stalled, were refused, or had not begun at the deadline.
+        self._unusable = 0
 
     def stalled(self, waited: float, processes: int, wrote: bool = False) -> bool:
         """An image stopped growing for :data:`STALL_S` before it was complete. Twice in a
@@ -127,12 +137,18 @@ class StuckImages:
                            "ends the run)", STALL_S)
         return repeats
 
-    def refuse(self, images: int, processes: tuple[int, int] | None) -> str | None:
-        """Why a complete image of ``images`` processes must not be kept, or None. It must not
-        when it holds more than the command's ``processes`` less its forked copies (DataLoader
-        workers, multiprocessing; one started just after the request counts too), as they
-        were when the request went out: see the module docstring. Counted with the stalls."""
+    def refuse(self, names: list[str], processes: tuple[int, int] | None) -> str | None:
+        """Why complete images ``names`` (one per process) must not be kept, or None. They must
+        not when they hold more processes than the command's own programs (its ``processes``
+        less its forked copies, as they were when the request went out) and a copy may be
+        among them: one was alive then, or two images are of one program (a worker forked
+        just after the request). A child that started meanwhile and runs another program
+        (``subprocess.run``) is no copy. See the module docstring. Counted with the stalls."""
+        images = len(names)
         if processes is None or images <= processes[0] - processes[1]:
+            return None
+        programs = [name.removeprefix("ckpt_").rsplit("_", 1)[0] for name in names]
+        if processes[1] == 0 and len(set(programs)) == len(programs):
             return None
         self._event("image-refused", processes=images, copies=processes[1])
         why = (f"the image holds {images} processes, {images - processes[0] + processes[1]} "
@@ -150,7 +166,8 @@ class StuckImages:
         self._unusable += 1
         if self._unusable < 2:
             return False
-        self.message = stuck_message(f"twice in a row {what}", processes)
+        if self.message is None:
+            self.message = stuck_message(f"twice in a row {what}", processes)
         return True
 
     def _event(self, event: str, **fields: object) -> None:
@@ -162,16 +179,13 @@ class StuckImages:
         self._unusable = 0
 
     def stop_ended(self, confirmed: bool, wrote: bool, sent_at: float | None, over_at: float,
-                   processes: int) -> None:
+                   processes: int, counted: bool) -> None:
         """A cycle with a stop request ended. Killed at its deadline before the stop's image
-        began is a stuck image seen too briefly to tell; two such cycles in a row are."""
-        if confirmed:
-            self._unstarted = 0
+        began is a stuck image seen too briefly to tell; it counts with the stalls and
+        refusals unless one of those was ``counted`` for this stop already."""
+        if confirmed or counted:
             return
         if wrote or sent_at is None or over_at - sent_at < UNSTARTED_S:
             return
-        self._unstarted += 1
-        if self._unstarted >= 2 and self.message is None:
-            self.message = stuck_message(
-                f"{self._unstarted} cycles in a row, no byte of the image written in the "
-                f"{over_at - sent_at:.0f}s from the request to the deadline", processes)
+        self._unusable_again(f"no byte of its image written in the {over_at - sent_at:.0f}s "
+                             "from the request to the deadline", processes)
