@@ -8,6 +8,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -277,6 +278,39 @@ def test_own_processes_tells_forked_copies_from_programs_the_command_started(fam
     # below the keeper: the command, sleep, the command's copy; the zombie is not counted
     assert own_processes(family(program=True)) == (3, 1)
     assert own_processes(family(program=False)) == (2, 1)
+
+
+def test_a_copy_that_lives_marks_the_run_as_one_dmtcp_cannot_checkpoint(family, tmp_path: Path):
+    from procckpt.launcher.engines.dmtcp.forks import CopyWatch, StuckImages
+
+    keeper = family(program=True)
+    copy = [pid for pid, is_copy, _ in forks.command_processes(keeper) if is_copy]
+    assert len(copy) == 1
+    stuck = StuckImages(tmp_path / "events.jsonl")
+    # restored: the processes there at first are the image's, however alike they read
+    watch, done = CopyWatch(), threading.Event()
+    done.set()  # one sample, then back
+    watch.watch(keeper, restored=True, over=done, stuck=stuck)
+    time.sleep(1.1)
+    assert watch.sample(keeper) is None and watch.seen is None and stuck.message is None
+    # launched: a copy 1 s old (a DataLoader worker; a child between fork and exec is younger)
+    over = threading.Event()
+    watcher = threading.Thread(target=CopyWatch().watch, args=(keeper, False, over, stuck))
+    watcher.start()
+    watcher.join(timeout=30)
+    over.set()
+    assert not watcher.is_alive() and stuck.message is not None
+    assert f"a forked copy of it, pid {copy[0]}, lived 1s and more" in stuck.message
+    assert "num_workers=0" in stuck.message and "--engine hooks" in stuck.message
+    assert [e["pid"] for e in read_events(tmp_path / "events.jsonl")
+            if e["event"] == "forked-copy"] == copy
+
+
+def test_no_image_is_taken_of_a_command_with_a_copy_that_lived(engine: DmtcpEngine, family):
+    engine.copies.seen = 1234  # what CopyWatch found
+    refused = take(engine, family(program=False), images=1)
+    assert refused.checkpoint is None and "forked copies" in refused.error
+    assert engine.store.checkpoints() == [] and list(engine.images.iterdir()) == []
 
 
 class ImagingCoordinator(FakeCoordinator):

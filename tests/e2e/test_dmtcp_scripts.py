@@ -50,9 +50,10 @@ def test_a_script_that_runs_a_subprocess_every_25_steps_finishes_identical(workd
 @needs_dmtcp
 def test_dataloader_workers_finish_identical_or_stop_within_two_cycles_with_the_diagnosis(
         workdir: Path):
-    """Most images of a script with DataLoader workers never complete, and one that holds a
-    worker is not kept; one taken while no worker was alive (between epochs) is, and then the
-    run finishes. Both are right."""
+    """No image of a script with DataLoader workers is kept: most never complete, one that
+    holds a worker restored with garbage batches and one taken between epochs aborted after
+    its restore (CI runs). The run stops at its deadline with the one line; finishing
+    identical from an image would be right too."""
     extra = ["--epochs", "12", "--workers", "2"]
     ckpt = workdir / "ckpt"
     started = time.monotonic()
@@ -87,12 +88,12 @@ def images(ckpt: Path, checkpoint: str) -> int:
 
 
 @needs_dmtcp
-def test_an_image_that_holds_a_forked_copy_is_not_kept_and_the_run_stops_with_the_diagnosis(
+def test_a_command_whose_forked_copy_lives_keeps_no_image_and_stops_with_the_diagnosis(
         workdir: Path):
-    """A DataLoader worker is a fork of the training process, and DMTCP 4.2 restored images
-    that held one wrong (in a CI run: garbage batches, targets out of bounds; by hand: a crash
-    in multiprocessing's resource_sharer). procckpt keeps no image that holds a forked copy of
-    the command; twice in a row ends the run with exit 124 and the one line. The copy here
+    """A DataLoader worker is a fork of the training process, and DMTCP 4.2 restored such
+    programs wrong: garbage batches or a crash (SIGABRT) in CI runs, even from an image taken
+    with no worker alive. procckpt keeps no image of a command once a forked copy of it has
+    lived a second, and stops it at its deadline with exit 124 and the one line. The copy here
     is a plain fork, whose images complete every time (torch workers' mostly stall)."""
     ckpt = workdir / "ckpt"
     result = procckpt_run(workdir, ckpt, ["--time-limit", "12s", "--grace", "4s"],
@@ -100,11 +101,12 @@ def test_an_image_that_holds_a_forked_copy_is_not_kept_and_the_run_stops_with_th
                           timeout=300)
     assert result.returncode == 124, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if DIAGNOSIS in line]
-    assert lines and "twice in a row its image held forked copies" in lines[-1] \
-        and "num_workers=0" in lines[-1], result.stderr[-3000:]
-    refused = [e for e in events(ckpt) if e["event"] == "image-refused"]
-    assert [(e["processes"], e["copies"]) for e in refused] == [(2, 1), (2, 1)], refused
-    assert checkpoints(ckpt) == [], "an image with the copy was kept"
+    assert lines and "forked cop" in lines[-1] and "num_workers=0" in lines[-1], \
+        result.stderr[-3000:]
+    assert [e for e in events(ckpt) if e["event"] == "forked-copy"], result.stderr[-3000:]
+    # seen before the first deadline but on a machine under load, one cycle later at most
+    assert [e for e in events(ckpt) if e["event"] == "exit"][-1]["cycles"] <= 2
+    assert checkpoints(ckpt) == [], "an image of the command with its copy was kept"
 
 
 @needs_dmtcp

@@ -136,7 +136,8 @@ class Supervisor:
                              cycle=self.cycles)
                 continue
             stuck = self.engine.stuck
-            if stuck and not outcome.finished and outcome.confirmed is None:
+            saved = outcome.confirmed is not None and outcome.confirmed.checkpoint is not None
+            if stuck and not outcome.finished and not saved:
                 # The engine cannot take an image of this command: every cycle would end so.
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
                                   f"{stuck}. Running the same command again "

@@ -35,7 +35,7 @@ from .. import Confirmation, Engine
 from .coordinator import Coordinator
 from .images import ImageDir, restore_saved_files
 from .cycle import Cycle, Job
-from .forks import STALL_S, StuckImages, fork_safe_env, own_processes
+from .forks import STALL_S, CopyWatch, StuckImages, fork_safe_env, own_processes
 from .tools import DmtcpError, DmtcpTools
 
 __all__ = ["DmtcpEngine", "CKPT_SIGNAL"]
@@ -95,6 +95,7 @@ class DmtcpEngine(Engine):
         self._warned_processes = False
         self._monitor: threading.Thread | None = None
         self.stuck_images = StuckImages(store.events_path)
+        self.copies = CopyWatch()
 
     @property
     def stuck(self) -> str | None:
@@ -282,8 +283,8 @@ class DmtcpEngine(Engine):
 
     # -- the command's state ---------------------------------------------------------------
     def _watch_state(self, cycle: Cycle) -> None:
-        """Until the command runs under DMTCP: note when it does, and kill a restore that
-        does not get there in time (mtcp_restart can spin forever on a bad image)."""
+        """Until the command runs under DMTCP: note when it does (then look for copies of it
+        while it runs), and kill a restore that does not get there in time."""
         started = time.monotonic()
         limit = None
         if cycle.restored_from is not None:
@@ -293,6 +294,9 @@ class DmtcpEngine(Engine):
             state = cycle.coordinator.status()
             if state is not None and state[0] >= 1 and state[1]:
                 cycle.running.set()
+                if cycle.pid:
+                    self.copies.watch(cycle.pid, cycle.restored_from is not None, cycle.over,
+                                      self.stuck_images)
                 return
             if limit is not None and time.monotonic() - started > limit and cycle.pid:
                 cycle.restore_failed = f"the restore did not finish within {limit:.0f}s"
@@ -328,6 +332,8 @@ class DmtcpEngine(Engine):
         cycle = self._cycle
         assert cycle is not None
         started = time.monotonic()
+        if self.copies.seen is not None:  # no image of it is kept: none is taken
+            return Confirmation(None, None, job.stop, job.seq, "it runs forked copies of itself")
         try:
             written = self._take_images(cycle, job)
             if written is None:

@@ -4,24 +4,28 @@ Measured (gdb on a stuck training script): a torch script that runs a subprocess
 ``fork()`` for good under DMTCP, because NumPy's OpenBLAS joins its threads in a pre-fork
 handler while one of them waits, in DMTCP's thread-start wrapper, for the lock the forking
 thread holds. With one OpenBLAS thread the fork returns and the image restores. A program
-with DataLoader worker processes forks fine then, but no image taken while a worker is alive
-can be used: most never complete, and those that do restore wrong (the workers hand batches
-over in shared memory, by file descriptors passed over a socket; after a restore those are
-gone: garbage targets in a CI run, ``OSError: Bad file descriptor`` here). One taken between
-epochs, with no worker alive, restores right.
+with DataLoader worker processes forks fine then, but none of its images can be trusted: the
+workers hand batches over in shared memory, by file descriptors passed over a socket, and
+after a restore those are gone. Images taken while a worker is alive mostly never complete;
+one that did trained on garbage targets (a CI run; ``OSError: Bad file descriptor`` by hand);
+one taken between epochs aborted a second after its restore, freeing a batch that came from
+a worker (a CI run, and by hand). So no image of a command with a lasting forked copy is kept
+(:class:`CopyWatch`, :meth:`StuckImages.refuse`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
 from ....protocol.events import append_event
 from ...hang import descendants, stat_fields
 
-__all__ = ["STALL_S", "StuckImages", "fork_safe_env", "own_processes", "stuck_message"]
+__all__ = ["STALL_S", "CopyWatch", "StuckImages", "fork_safe_env", "own_processes",
+           "stuck_message"]
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,10 @@ logger = logging.getLogger(__name__)
 #: suspends the threads and starts writing within a second or two (a torch process's 650 MB
 #: take ~1 s here), and writes on without pause.
 STALL_S = 15.0
+#: How often the command's processes are looked at for forked copies (CopyWatch), and how
+#: old a copy is when it counts: a child between its fork and its exec lives microseconds.
+WATCH_S = 1.0
+LASTING_S = 1.0
 #: A stop whose image had not begun this long after the request, when the command was killed
 #: at the deadline: as telling as a stall, once two cycles in a row end so.
 UNSTARTED_S = 3.0
@@ -51,25 +59,84 @@ def fork_safe_env(environ: Mapping[str, str]) -> dict[str, str]:
 def own_processes(root: int, restored: int = 0) -> tuple[int, int]:
     """The command's live processes under DMTCP (``root`` and those below it that map DMTCP's
     library: not procckpt's keeper in front of the command), from /proc, and how many of them
-    are forked copies of their parent: the same executable and command line, as DataLoader
-    workers and multiprocessing's ``fork`` make them (and a child between its fork and its
-    exec). An image may hold the others only; see the module docstring.
+    are forked copies of their parent (see :func:`command_processes`). An image may hold the
+    others only; see the module docstring.
 
     Processes DMTCP restored all look alike in /proc (``mtcp_restart``, no command line): the
     ``restored`` processes of the image a cycle started from (kept, so without copies) would
     pass for copies of one another, and are not counted as such.
     """
-    processes, copies, alike = 0, 0, 0
+    found = command_processes(root)
+    copies = sum(1 for _, copy, _ in found if copy)
+    alike = sum(1 for _, copy, restored_alike in found if copy and restored_alike)
+    return len(found), copies - min(alike, max(restored - 1, 0))
+
+
+def command_processes(root: int) -> list[tuple[int, bool, bool]]:
+    """(pid, a forked copy of its parent, reads as restored) for each live process of the
+    command under DMTCP, ``root`` and below. A forked copy has the same executable and
+    command line as its parent, as DataLoader workers and multiprocessing's ``fork`` make
+    them (and a child between its fork and its exec)."""
+    found = []
     for pid in [root, *descendants(root)]:
         fields = stat_fields(pid)
         if fields is None or fields[0] == "Z" or not _under_dmtcp(pid):  # zombies are in no image
             continue
-        processes += 1
         me, parent = _identity(pid), int(fields[1])
-        if me is not None and _under_dmtcp(parent) and me == _identity(parent):
-            copies += 1
-            alike += os.path.basename(me[0]).startswith("mtcp_restart")
-    return processes, copies - min(alike, max(restored - 1, 0))
+        copy = me is not None and _under_dmtcp(parent) and me == _identity(parent)
+        found.append((pid, copy, me is not None
+                      and os.path.basename(me[0]).startswith("mtcp_restart")))
+    return found
+
+
+class CopyWatch:
+    """Sees a forked copy of the command that lives: a DataLoader worker, a multiprocessing
+    pool. No image of such a command is kept (module docstring): even one taken with no
+    worker alive aborted after its restore, in a CI run and by hand (a tensor received from a
+    worker keeps the file descriptor of its shared memory, which is gone: torch's
+    MapAllocator::close fails, SIGABRT). A copy counts once it is :data:`LASTING_S` old, so
+    that a child between its fork and its exec never does."""
+
+    def __init__(self) -> None:
+        #: The pid of the first lasting copy seen in this run; None while there is none.
+        self.seen: int | None = None
+        self._restored: set[int] = set()
+        self._first = True
+
+    def watch(self, root: int, restored: bool, over: threading.Event,
+              stuck: StuckImages) -> None:
+        """Sample the command ``root`` every :data:`WATCH_S` until ``over``; on a lasting
+        copy, tell ``stuck``. In a ``restored`` cycle the processes of the first sample are
+        those the image held (kept, so no copies), however alike they read."""
+        self._restored, self._first = set(), restored
+        while self.seen is None:
+            pid = self.sample(root)
+            if pid is not None:
+                stuck.copies_found(pid)
+            if over.wait(WATCH_S):
+                return
+
+    def sample(self, root: int) -> int | None:
+        """Look at the command's processes; the pid of a lasting copy first seen now."""
+        copies = {pid for pid, copy, _ in command_processes(root) if copy}
+        if self._first:
+            self._restored, self._first = copies, False
+        lasting = [pid for pid in copies - self._restored if _age(pid) >= LASTING_S]
+        if not lasting or self.seen is not None:
+            return None
+        self.seen = min(lasting)
+        return self.seen
+
+
+def _age(pid: int) -> float:
+    """Seconds since the process started; 0 once it is gone."""
+    fields = stat_fields(pid)
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def _under_dmtcp(pid: int) -> bool:
@@ -161,6 +228,17 @@ class StuckImages:
         else:
             logger.warning("dmtcp: %s (a second time in a row ends the run)", why)
         return why
+
+    def copies_found(self, pid: int) -> None:
+        """A forked copy of the command lived (CopyWatch): no image of it will be kept, and
+        the run ends at its next stop unless it finishes first."""
+        self._event("forked-copy", pid=pid)
+        what = (f"a forked copy of it, pid {pid}, lived {LASTING_S:.0f}s and more: DMTCP 4.2 "
+                "restored such programs wrong even from images taken with no copy alive")
+        self.message = self.message or stuck_message(what, 2)
+        logger.warning("dmtcp: %s; no image of it is kept from now on, and the run stops at "
+                       "its deadline unless it finishes first. Ways out: "
+                       "DataLoader(num_workers=0), or --engine hooks", what)
 
     def _unusable_again(self, what: str, processes: int) -> bool:
         self._unusable += 1
