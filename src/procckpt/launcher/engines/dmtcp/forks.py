@@ -77,13 +77,28 @@ def command_processes(root: int) -> list[tuple[int, bool, bool]]:
     command under DMTCP, ``root`` and below. A forked copy has the same executable and
     command line as its parent, as DataLoader workers and multiprocessing's ``fork`` make
     them (and a child between its fork and its exec)."""
+    # Each process is read once, though it is also every child's parent: a torch process's
+    # maps run to thousands of lines, and CopyWatch asks every second.
+    under: dict[int, bool] = {}
+    identity: dict[int, tuple[str, bytes] | None] = {}
+
+    def is_under(pid: int) -> bool:
+        if pid not in under:
+            under[pid] = _under_dmtcp(pid)
+        return under[pid]
+
+    def identity_of(pid: int) -> tuple[str, bytes] | None:
+        if pid not in identity:
+            identity[pid] = _identity(pid)
+        return identity[pid]
+
     found = []
     for pid in [root, *descendants(root)]:
         fields = stat_fields(pid)
-        if fields is None or fields[0] == "Z" or not _under_dmtcp(pid):  # zombies are in no image
+        if fields is None or fields[0] == "Z" or not is_under(pid):  # zombies are in no image
             continue
-        me, parent = _identity(pid), int(fields[1])
-        copy = me is not None and _under_dmtcp(parent) and me == _identity(parent)
+        me, parent = identity_of(pid), int(fields[1])
+        copy = me is not None and is_under(parent) and me == identity_of(parent)
         found.append((pid, copy, me is not None
                       and os.path.basename(me[0]).startswith("mtcp_restart")))
     return found
