@@ -23,7 +23,8 @@ import pytest
 
 from .harness.slurm_cluster import SlurmCluster, slurm_cluster_fixture
 
-pytestmark = pytest.mark.slurm
+# One worker runs the module: its fixture starts a cluster and submits the jobs together.
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm-signals")]
 
 # A job program that logs, as JSON lines, when it started (with its SLURM_* environment) and
 # every signal it gets. The batch script `exec`s it, so it *is* the batch process, like a

@@ -18,7 +18,9 @@ import pytest
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, run
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 
+# One worker runs the module: its fixture submits both jobs together.
 pytestmark = [pytest.mark.slurm, pytest.mark.dmtcp, pytest.mark.slow,
+              pytest.mark.xdist_group("dmtcp-slurm"),
               pytest.mark.skipif(shutil.which("dmtcp_launch") is None,
                                  reason="DMTCP is not installed (no dmtcp_launch on PATH); "
                                         "`module load dmtcp` or build it from "

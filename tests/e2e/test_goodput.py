@@ -15,6 +15,9 @@ from procckpt.inspect.report import COLOURS, PLOT_BACKGROUND
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 
+# One worker runs the module, so that its crashed run (a few minutes) runs once.
+pytestmark = pytest.mark.xdist_group("goodput")
+
 TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
 EPOCHS = 40
 STEPS = EPOCHS * 8  # 8 batches an epoch

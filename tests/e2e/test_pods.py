@@ -29,7 +29,8 @@ from ..conftest import procckpt_argv
 from ..harness.slurm_cluster import free_port
 from .test_torchrun import DDP, SHAPE, TORCHRUN, assert_same_run, uninterrupted
 
-pytestmark = [pytest.mark.slow]
+# One worker runs the module, so that its uninterrupted reference is computed once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pods")]
 
 ARGS = [*SHAPE, "--sleep", "0.9"]
 

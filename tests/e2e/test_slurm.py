@@ -36,7 +36,9 @@ from ..harness.slurm_cluster import (
     parse_scontrol_record,
 )
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+# One worker runs the module: its fixture submits every job at once and computes references
+# beside them, which a second copy on another worker would starve of the two CPUs.
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm-jobs")]
 
 TINY = PROGRAMS / "tiny_train.py"
 POLY = EXAMPLES / "polynomial_regression.py"
