@@ -45,6 +45,7 @@ class Cycle:
     pause: float = 0.5  # what a periodic checkpoint costs it (journalled, as the training does)
     rank_fails_at: float | None = None  # a rank reports an exception then; the command runs on
     node_lost_at: float | None = None  # from then the scheduler calls node n2 lost
+    no_image: bool = False  # a stop is answered at once with no checkpoint; it runs on
 
 
 @dataclass
@@ -58,6 +59,7 @@ class World:
     stop_asked: float | None = None
     exited: int | None = None
     killed_with: list[int] = field(default_factory=list)
+    stopped_at: list[float] = field(default_factory=list)  # when the launcher stopped it
     dumped: list[int] = field(default_factory=list)  # whose stacks were asked for
     envs: list[dict[str, str]] = field(default_factory=list)  # each cycle's environment
 
@@ -97,7 +99,8 @@ class FakeChild:
                 w.store.mark_complete(step=100)
             w.exited = c.code
         confirmed = w.confirmed_at()
-        if confirmed is not None and w.now >= confirmed + c.exit_after_confirm:
+        if confirmed is not None and not c.no_image and \
+                w.now >= confirmed + c.exit_after_confirm:
             w.exited = 0
         return w.exited
 
@@ -106,6 +109,7 @@ class FakeChild:
 
     def stop(self, term_timeout: float = 10.0, kill_timeout: float = 5.0) -> int:
         w = self.world
+        w.stopped_at.append(w.elapsed())
         self.signal(signal.SIGTERM)
         if w.cycle.ignores_term:
             w.now += term_timeout
@@ -153,7 +157,13 @@ class FakeEngine(Engine):
         at = w.confirmed_at()
         if at is None or w.now < at:
             return None
+        if w.cycle.no_image:  # as the DMTCP engine answers once it saw a forked copy
+            return Confirmation(None, None, False, self.seq, "it runs forked copies of itself")
         return Confirmation(f"ckpt-{w.index + 1:08d}", w.cycle.step, True, self.seq)
+
+    @property
+    def stuck(self) -> str | None:
+        return "no image of it is kept" if self.world.cycle.no_image else None
 
     def confirmation(self, seq: int) -> Confirmation | None:
         if seq in self.answered:
@@ -267,6 +277,26 @@ def test_no_confirmation_within_the_grace_stops_and_three_such_cycles_give_up(tm
     assert result.cycles == 3
     assert world.killed_with.count(signal.SIGKILL) == 3  # TERM ignored: bounded, then KILL
     assert journal(world).count("unconfirmed") == 3
+
+
+@pytest.mark.parametrize("grace", [10.0, 30.0])
+def test_a_command_the_engine_takes_no_image_of_is_stopped_before_the_deadline(
+        tmp_path: Path, grace: float):
+    # Asked at 100 - grace, answered at once with no checkpoint, and the command runs on: it
+    # is stopped no later than the deadline less its bounded exit (term_timeout 10 s).
+    world, result, _ = supervise(tmp_path, [Cycle(no_image=True, confirm_after=0.0)],
+                                 grace=grace)
+    assert result.reason is ExitReason.NOT_CHECKPOINTABLE and result.exit_code == 124
+    assert [round(t) for t, action, _ in world.requests if action == "stop"] == [100 - grace]
+    assert [round(t) for t in world.stopped_at] == [90]
+
+
+def test_a_command_the_engine_takes_no_image_of_may_finish_before_the_deadline(
+        tmp_path: Path):
+    world, result, _ = supervise(tmp_path, [Cycle(no_image=True, confirm_after=0.0,
+                                                  exits_at=88, completes=True)], grace=30)
+    assert result.reason is ExitReason.FINISHED and result.exit_code == 0, result.message
+    assert world.stopped_at == []
 
 
 def test_a_command_that_never_connects_exits_124(tmp_path: Path):

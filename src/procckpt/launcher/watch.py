@@ -55,7 +55,7 @@ class _Stop:
     seq: int  # the engine's request number, to match its confirmation
     asked_at: float
     give_up_at: float  # no confirmation by then: the command is stopped anyway
-    exit_by: float | None = None  # once confirmed: the command has until then to exit
+    exit_by: float | None = None  # once confirmed: the command has until then to exit (or run)
 
 
 @dataclass
@@ -280,8 +280,13 @@ class CycleWatch:
         if outcome.confirmed is not None:
             outcome.connected = True
             stop.exit_by = now + EXIT_AFTER_CONFIRM
+            if not outcome.confirmed.stopping:
+                # No checkpoint, and the command was never told to stop (DMTCP took no image
+                # of it): it may still finish, until the stop's wait would end; then it is
+                # stopped, its exit bounded (term_timeout) before that end.
+                stop.exit_by = max(now, stop.give_up_at - self.term_timeout)
             log_confirmed(self.store, outcome.confirmed, now - stop.asked_at, self.cycle)
-            return None
+            return self._stop_child() if now >= stop.exit_by else None
         if now < stop.give_up_at:
             return None
         logger.warning("no checkpoint confirmed within %s%s; stopping the command",

@@ -332,8 +332,8 @@ class DmtcpEngine(Engine):
         cycle = self._cycle
         assert cycle is not None
         started = time.monotonic()
-        if self.copies.seen is not None:  # no image of it is kept: none is taken
-            return Confirmation(None, None, job.stop, job.seq, "it runs forked copies of itself")
+        if self.copies.seen is not None:  # no image of it is kept: none taken, it runs on
+            return Confirmation(None, None, False, job.seq, "it runs forked copies of itself")
         try:
             written = self._take_images(cycle, job)
             if written is None:
