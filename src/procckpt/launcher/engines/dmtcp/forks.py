@@ -15,6 +15,7 @@ a worker (a CI run, and by hand). So no image of a command with a lasting forked
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -77,21 +78,9 @@ def command_processes(root: int) -> list[tuple[int, bool, bool]]:
     command under DMTCP, ``root`` and below. A forked copy has the same executable and
     command line as its parent, as DataLoader workers and multiprocessing's ``fork`` make
     them (and a child between its fork and its exec)."""
-    # Each process is read once, though it is also every child's parent: a torch process's
-    # maps run to thousands of lines, and CopyWatch asks every second.
-    under: dict[int, bool] = {}
-    identity: dict[int, tuple[str, bytes] | None] = {}
-
-    def is_under(pid: int) -> bool:
-        if pid not in under:
-            under[pid] = _under_dmtcp(pid)
-        return under[pid]
-
-    def identity_of(pid: int) -> tuple[str, bytes] | None:
-        if pid not in identity:
-            identity[pid] = _identity(pid)
-        return identity[pid]
-
+    # Each process is read once per call, though it is also every child's parent: a torch
+    # process's maps run to thousands of lines, and CopyWatch asks every second.
+    is_under, identity_of = functools.cache(_under_dmtcp), functools.cache(_identity)
     found = []
     for pid in [root, *descendants(root)]:
         fields = stat_fields(pid)
