@@ -274,28 +274,26 @@ class CycleWatch:
         stop, outcome = self.stop, self.outcome
         if stop is None:
             return None
-        if stop.exit_by is not None:  # confirmed: the command may still exit by itself
-            return self._stop_child() if now >= stop.exit_by else None
-        outcome.confirmed = self.engine.confirmation(stop.seq)
-        if outcome.confirmed is not None:
+        if stop.exit_by is None:
+            outcome.confirmed = self.engine.confirmation(stop.seq)
+            if outcome.confirmed is None:
+                if now < stop.give_up_at:
+                    return None
+                logger.warning("no checkpoint confirmed within %s%s; stopping the command",
+                               format_duration(stop.give_up_at - stop.asked_at),
+                               "" if self._connected() else " (the command never connected "
+                               "to procckpt)")
+                append_event(self.store.events_path, "unconfirmed", cycle=self.cycle,
+                             connected=self._connected())
+                return self._stop_child()
             outcome.connected = True
-            stop.exit_by = now + EXIT_AFTER_CONFIRM
-            if not outcome.confirmed.stopping:
-                # No checkpoint, and the command was never told to stop (DMTCP took no image
-                # of it): it may still finish, until the stop's wait would end; then it is
-                # stopped, its exit bounded (term_timeout) before that end.
-                stop.exit_by = max(now, stop.give_up_at - self.term_timeout)
+            # Confirmed: the command may still exit by itself. One that was never told to stop
+            # (no checkpoint: DMTCP took no image of it) may still finish, until the stop's
+            # wait would end; it is stopped then, its exit bounded (term_timeout) before that.
+            stop.exit_by = now + EXIT_AFTER_CONFIRM if outcome.confirmed.stopping \
+                else max(now, stop.give_up_at - self.term_timeout)
             log_confirmed(self.store, outcome.confirmed, now - stop.asked_at, self.cycle)
-            return self._stop_child() if now >= stop.exit_by else None
-        if now < stop.give_up_at:
-            return None
-        logger.warning("no checkpoint confirmed within %s%s; stopping the command",
-                       format_duration(stop.give_up_at - stop.asked_at),
-                       "" if self._connected() else " (the command never connected to "
-                       "procckpt)")
-        append_event(self.store.events_path, "unconfirmed", cycle=self.cycle,
-                     connected=self._connected())
-        return self._stop_child()
+        return self._stop_child() if now >= stop.exit_by else None
 
     def _begin_stop(self, reason: str, now: float, warned: bool = False) -> None:
         self.outcome.stop_started = now
