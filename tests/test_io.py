@@ -292,19 +292,6 @@ def test_a_sparse_tensor_is_not_snapshottable() -> None:
         HostArena().capture({"s": torch.eye(3).to_sparse()})
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
-def test_cuda_state_is_copied_into_page_locked_memory() -> None:
-    state = {"w": torch.randn(1 << 20, device="cuda"), "cpu": torch.randn(10)}
-    arena = HostArena()
-    snap = arena.capture(state)
-    snap.wait_copied()
-    assert arena.pinned and snap.payload["w"].is_pinned()
-    assert torch.equal(snap.payload["w"], state["w"].cpu())
-    state["w"].add_(1)  # queued after the copy on the same stream
-    assert not torch.equal(snap.payload["w"], state["w"].cpu())
-
-
 def test_a_waited_checkpoint_of_host_state_is_written_from_the_tensors_themselves(
         tmp_path: Path) -> None:
     # A stop's checkpoint: the caller waits anyway, so copying host state first only costs.
@@ -313,23 +300,6 @@ def test_a_waited_checkpoint_of_host_state_is_written_from_the_tensors_themselve
     with saver.staged(state) as staged:
         assert staged["w"].data_ptr() == state["w"].data_ptr()
     assert saver.arena.allocations == 0
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
-def test_a_stop_checkpoint_of_cuda_state_goes_through_the_page_locked_arena(
-        tmp_path: Path) -> None:
-    model = torch.nn.Linear(256, 256).cuda()
-    ckpt = Checkpointer(tmp_path, model=model, save_every=None, async_save=True)
-    with ckpt._background.staged(ckpt._payload()) as staged:  # what a stop writes
-        weight = staged["model"]["weight"]
-        assert weight.device.type == "cpu" and weight.is_pinned()
-        assert torch.equal(weight, model.weight.detach().cpu())
-    info = ckpt.save("stop")
-    saved = torch.load(info.file("state.pt"), weights_only=True)
-    assert torch.equal(saved["model"]["weight"], model.weight.detach().cpu())
-    assert ckpt._background.arena.pinned
-    ckpt.close()
 
 
 def test_the_step_fence_covers_the_given_optimizers_unless_switched_off(
@@ -346,48 +316,6 @@ def test_the_step_fence_covers_the_given_optimizers_unless_switched_off(
     monkeypatch.setenv(ENV_OVERLAP, "sometimes")
     with pytest.raises(UsageError, match="PROCCKPT_OVERLAP"):
         StepFence.for_statefuls({"optimizer": optimizer})
-
-
-def _bn_model_trained_one_step() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
-    torch.manual_seed(0)
-    # Large enough that the copy takes milliseconds: a step that did not wait for it would
-    # change parameters it had not copied yet.
-    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.BatchNorm1d(4096),
-                                torch.nn.Linear(4096, 4096)).cuda()
-    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    x = torch.randn(64, 4096, device="cuda")
-    model(x).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    return model, optimizer, x
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
-def test_a_snapshot_copied_beside_the_next_step_is_the_state_at_the_safe_point() -> None:
-    model, optimizer, x = _bn_model_trained_one_step()
-    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
-    expected = [t.clone() for t in _tensors(state)]  # queued before the copy: the safe point
-    fence = StepFence([optimizer])
-    snapshot = HostArena().capture(state, fence)
-    assert fence._pending  # the parameters' copy is still allowed to run
-    for _ in range(3):  # forward (BatchNorm's statistics change), backward, step
-        model(x).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    snapshot.wait_copied()
-    copied = list(_tensors(snapshot.payload))
-    assert len(copied) == len(expected)
-    for got, want in zip(copied, expected):
-        assert torch.equal(got, want.cpu())
-    now = [t.cpu() for t in _tensors({"model": model.state_dict()})]
-    assert not all(torch.equal(a, b) for a, b in zip(now, copied))  # training went on
-
-
-def _tensors(obj: Any) -> Any:
-    from procckpt.training.io.writer import tensors_of
-
-    return tensors_of(obj)
 
 
 # -- background writes -----------------------------------------------------------------------

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .device import CudaOps, CpuTwin, device_ops
+
 if TYPE_CHECKING:
     from .fence import StepFence
 
@@ -105,6 +107,7 @@ class HostArena:
         self._signature: tuple[Any, ...] | None = None
         self._slots: list[torch.Tensor] = []
         self._streams: dict[torch.device, Any] = {}  # the side stream per GPU, made once
+        self._ops: CudaOps | CpuTwin = device_ops()  # what page-locked the arena
 
     @property
     def pinned(self) -> bool:
@@ -125,17 +128,15 @@ class HostArena:
         sources: list[torch.Tensor] = []
         order: list[int] = []
         self._collect(payload, unique, sources, order)
-        signature = tuple((s.dtype, tuple(s.shape), s.device.type) for s in sources)
-        wants_pinned = any(s.is_cuda for s in sources)
-        if signature != self._signature or wants_pinned != self.pinned:
-            self._plan(sources, wants_pinned)
-            self._signature = signature
+        ops = device_ops()
+        self._lay_out(sources, ops)
+        wants_pinned = self.pinned
         slots = self._slots
-        late = fence.late_storages() if fence is not None and wants_pinned else set()
+        late = fence.late_storages(ops) if fence is not None and wants_pinned else set()
         events: list[Any] = []
         with torch.no_grad():
             if sources:
-                events, lasts = _copy_all(slots, sources, late, self._streams)
+                events, lasts = _copy_all(slots, sources, late, self._streams, ops)
                 if lasts and fence is not None:
                     fence.hold(lasts)
         copies = [slots[i] for i in order]
@@ -161,11 +162,7 @@ class HostArena:
         unique: dict[tuple[Any, ...], int] = {}
         sources: list[torch.Tensor] = []
         self._collect(payload, unique, sources, [])
-        signature = tuple((s.dtype, tuple(s.shape), s.device.type) for s in sources)
-        wants_pinned = any(s.is_cuda for s in sources)
-        if signature != self._signature or wants_pinned != self.pinned:
-            self._plan(sources, wants_pinned)
-            self._signature = signature
+        self._lay_out(sources, device_ops())
 
     def release(self) -> None:
         """Give the memory back (the next capture allocates again)."""
@@ -174,6 +171,15 @@ class HostArena:
         self._free()
 
     # -- internals ---------------------------------------------------------------------------
+    def _lay_out(self, sources: list[torch.Tensor], ops: CudaOps | CpuTwin) -> None:
+        """Plan the slots again where the tensors' shapes or places changed: page-locked
+        memory exactly when some of the state is device state."""
+        signature = tuple((s.dtype, tuple(s.shape), s.device.type) for s in sources)
+        wants_pinned = any(ops.holds(s) for s in sources)
+        if signature != self._signature or wants_pinned != self.pinned:
+            self._plan(sources, wants_pinned, ops)
+            self._signature = signature
+
     def _collect(self, obj: Any, unique: dict[tuple[Any, ...], int],
                  sources: list[torch.Tensor], order: list[int]) -> None:
         if isinstance(obj, torch.Tensor):
@@ -224,7 +230,7 @@ class HostArena:
             return obj
         return copy.deepcopy(obj)  # something mutable and unusual: copy it whole
 
-    def _plan(self, sources: list[torch.Tensor], pinned: bool) -> None:
+    def _plan(self, sources: list[torch.Tensor], pinned: bool, ops: CudaOps | CpuTwin) -> None:
         """Lay out one slot per tensor, growing (or re-pinning) the arena if needed."""
         offsets = []
         total = 0
@@ -233,7 +239,7 @@ class HostArena:
             total += _round_up(s.numel() * s.element_size(), _ALIGN)
         wanted = _Pinning.REGISTERED if pinned else _Pinning.NONE
         if total > self.capacity or (pinned != self.pinned):
-            self._allocate(total, wanted)
+            self._allocate(total, wanted, ops)
         assert self._flat is not None or total == 0
         storage = self._flat.untyped_storage() if self._flat is not None else None
         slots = []
@@ -249,9 +255,10 @@ class HostArena:
         logger.debug("host arena: %d tensors, %.1f MB in %.1f MB (%s)", len(slots), total / 1e6,
                      self.capacity / 1e6, self._pinning.value)
 
-    def _allocate(self, nbytes: int, pinning: _Pinning) -> None:
+    def _allocate(self, nbytes: int, pinning: _Pinning, ops: CudaOps | CpuTwin) -> None:
         self._slots = []
         self._free()
+        self._ops = ops
         if nbytes == 0:
             return
         # Whole pages only, so the arena stays within a page of the state's size. The
@@ -268,7 +275,7 @@ class HostArena:
         with contextlib.suppress(AttributeError, OSError):
             mm.madvise(mmap.MADV_DONTFORK)
         flat = torch.frombuffer(mm, dtype=torch.uint8)
-        if pinning is _Pinning.REGISTERED and not _cuda_register(flat):
+        if pinning is _Pinning.REGISTERED and not ops.page_lock(flat):
             # Registration refused (e.g. a locked-memory limit): use torch's pinned allocator,
             # which rounds up to a power of two, so say so.
             del flat
@@ -284,7 +291,7 @@ class HostArena:
 
     def _free(self) -> None:
         if self._flat is not None and self._pinning is _Pinning.REGISTERED:
-            _cuda_unregister(self._flat)
+            self._ops.unlock(self._flat)
         self._flat = None
         self._pinning = _Pinning.NONE
         if self._mm is not None:
@@ -295,7 +302,8 @@ class HostArena:
 
 
 def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor], late: set[int],
-              streams: dict[torch.device, Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
+              streams: dict[torch.device, Any],
+              ops: CudaOps | CpuTwin) -> tuple[list[Any], list[tuple[Any, Any]]]:
     """Copy every source into its slot; host copies are the training's stall on a CPU-only
     run. GPU copies are queued on a side stream (see :func:`_copy_from_gpus`); returns its
     events and the (device, event) pairs a step fence must wait for."""
@@ -304,7 +312,7 @@ def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor], late: set[
     slow_src: list[torch.Tensor] = []
     gpu: list[tuple[torch.Tensor, torch.Tensor]] = []
     for slot, src in zip(slots, sources):
-        if src.is_cuda:
+        if ops.holds(src):
             gpu.append((slot, src))
         elif (src.device.type == "cpu" and src.is_contiguous() and not src.is_conj()
               and not src.is_neg()):
@@ -316,7 +324,7 @@ def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor], late: set[
             slow_src.append(src)
     events: tuple[list[Any], list[tuple[Any, Any]]] = ([], [])
     if gpu:
-        events = _copy_from_gpus(gpu, late, streams)
+        events = _copy_from_gpus(gpu, late, streams, ops)
     if slow_src:
         _copy_list(slow_dst, slow_src, non_blocking=False)
     if flat:
@@ -336,7 +344,8 @@ def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking
 
 
 def _copy_from_gpus(pairs: list[tuple[torch.Tensor, torch.Tensor]], late: set[int],
-                    streams: dict[torch.device, Any]) -> tuple[list[Any], list[tuple[Any, Any]]]:
+                    streams: dict[torch.device, Any],
+                    ops: CudaOps | CpuTwin) -> tuple[list[Any], list[tuple[Any, Any]]]:
     """Per GPU: on a side stream that first waits for the training stream's queued work,
     copy what is not ``late`` (record "first"), then what is (record "last"). The training
     stream waits for "first" at once; "last" is returned for the step fence (or waited for
@@ -348,18 +357,17 @@ def _copy_from_gpus(pairs: list[tuple[torch.Tensor, torch.Tensor]], late: set[in
                  and s.untyped_storage().data_ptr() not in late]
         deferred = [(d, s) for d, s in pairs if s.device == device
                     and s.untyped_storage().data_ptr() in late]
-        training = torch.cuda.current_stream(device)
+        training = ops.current_stream(device)
         side = streams.get(device)
         if side is None:
-            side = streams[device] = torch.cuda.Stream(device)
+            side = streams[device] = ops.new_stream(device)
         side.wait_stream(training)  # the copies see the state at the safe point
-        with torch.cuda.stream(side):
-            for part in (early, deferred):
-                if part:
-                    _copy_list([d for d, _ in part], [s for _, s in part], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(side)
-                events.append(event)
+        for part in (early, deferred):
+            if part:
+                dst, src = [d for d, _ in part], [s for _, s in part]
+                ops.copy(side, lambda non_blocking, dst=dst, src=src: _copy_list(
+                    dst, src, non_blocking=non_blocking))
+            events.append(ops.record(side))
         first, last = events[-2], events[-1]
         training.wait_event(first)
         if deferred:
@@ -406,21 +414,6 @@ def _parallel_memmove(segments: list[tuple[int, int, int]]) -> None:
     run(plans[0])
     for t in threads:
         t.join()
-
-
-def _cuda_register(flat: torch.Tensor) -> bool:
-    try:
-        cudart = torch.cuda.cudart()
-        rc = cudart.cudaHostRegister(flat.data_ptr(), flat.numel(), 0)
-    except Exception as e:  # no CUDA runtime binding: fall back
-        logger.debug("cudaHostRegister unavailable: %s", e)
-        return False
-    return int(rc) == 0
-
-
-def _cuda_unregister(flat: torch.Tensor) -> None:
-    with contextlib.suppress(Exception):
-        torch.cuda.cudart().cudaHostUnregister(flat.data_ptr())
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from ...errors import ProcckptError
 from ...protocol.switches import ASYNC
 from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, NotSnapshottable, Snapshot
+from .device import device_ops
 from .fence import StepFence
 from .frozen import ChunkPlan
 from .writer import lasting_errors_explained, save_payload, tensors_of
@@ -174,7 +175,8 @@ class BackgroundSaver:
         arena is free again when the block ends.
         """
         snapshot = None
-        if any(t.is_cuda for t in tensors_of(payload)):
+        holds = device_ops().holds
+        if any(holds(t) for t in tensors_of(payload)):
             try:
                 snapshot = self.capture(payload)
             except NotSnapshottable as e:
