@@ -67,18 +67,6 @@ def test_the_gpu_benchmark_runs_its_code_on_the_cpu(tmp_path: Path) -> None:
     assert [r for r in rows if r.startswith("| restore onto the device, s |")]
 
 
-@pytest.mark.skipif(torch_cuda(), reason="with a GPU, make gpu-check is the real run (8 "
-                    "minutes), not a dry one")
-def test_gpu_check_without_a_gpu_is_a_dry_run_that_says_what_it_would_run() -> None:
-    done = subprocess.run(["make", "-s", "gpu-check", f"GPU_PY={sys.executable}"], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "dry run (no CUDA device)" in done.stdout
-    assert "-m pytest -m cuda" in done.stdout
-    for size in ("1GiB", "8GiB"):
-        assert f"benchmarks/gpu_checkpoint.py --size {size}" in done.stdout
-
-
 def test_the_sampler_benchmark_prints_its_figures() -> None:
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "liveness_cost.py"
     done = subprocess.run([sys.executable, str(script), "--seconds", "0.3", "--pairs", "2"],

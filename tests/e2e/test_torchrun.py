@@ -166,19 +166,28 @@ def test_fsdp_sharded_state_through_dcp_resumes_exactly(workdir: Path):
     assert_same_run(reference, resumed)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; there is none")
-def test_fsdp_on_the_gpu_through_dcp_resumes_exactly(workdir: Path):
+@pytest.mark.parametrize("path", [
+    pytest.param("twin", id="cpu-twin"),
+    pytest.param("cuda", id="cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device; there is none")])])
+def test_fsdp_on_the_gpu_through_dcp_resumes_exactly(workdir: Path, path: str):
     # One process (a group of one, NCCL): the GPU path of the sharded state, which the
     # two-rank test above cannot take on a machine with one GPU (NCCL wants a GPU per rank).
+    # On cpu-twin: the same path with CPU state (gloo; tests/README.md).
+    env = {"PROCCKPT_DEVICE_TWIN": "1"} if path == "twin" else {}
     reference, resumed = workdir / "reference", workdir / "resumed"
     done = run([PYTHON, str(FSDP), *SHAPE, "--out", str(reference)], cwd=workdir,
-               env={"PROCCKPT_DIR": str(workdir / "reference-ckpt")})
+               env={**env, "PROCCKPT_DIR": str(workdir / "reference-ckpt")})
     assert done.returncode == 0, done.stderr[-3000:]
     ckpt = workdir / "resumed-ckpt"
-    done = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
-                "5s", "--max-restarts", "30", "--", PYTHON, str(FSDP), *SHAPE, "--sleep", "0.5",
-                "--out", str(resumed)], cwd=workdir, timeout=600)
+    # Sized for a few GPU minutes: stopped (SIGUSR1) once a periodic checkpoint was written,
+    # then resumed to the end.
+    argv = ["--dir", str(ckpt), "--interval", "1s", "--", PYTHON, str(FSDP), *SHAPE,
+            "--sleep", "0.1", "--out", str(resumed)]
+    stopped = stopped_once(argv, workdir, lambda: any(
+        e["event"] == "checkpoint" for e in read_events(ckpt / "events.jsonl")), env=env)
+    assert stopped.returncode == 75, stopped.stderr[-4000:]
+    done = run([*procckpt_argv(), "run", *argv], cwd=workdir, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     events = list(read_events(ckpt / "events.jsonl"))
     assert [e for e in events if e["event"] == "resume"], "the run was never interrupted"
