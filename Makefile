@@ -30,8 +30,10 @@ bench: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) benchmarks/report.py $(BENCH_ARGS)
 
 # The first thing to run on a machine with a GPU (tools/gpu_check.py): the CUDA tests and the GPU
-# checkpoint benchmark at 1 and 8 GiB, one table. It uses the machine's own python (its torch
-# with CUDA) and the source tree, never the CPU venv; without a GPU it is a dry run.
+# checkpoint benchmark at 1 and 8 GiB, one table, in at most 6 minutes (GPU_ARGS=--quick: the
+# tests and 1 GiB, 3; GPU_ARGS="--out DIR": the log and figures there). It uses the machine's
+# own python (its torch with CUDA) and the source tree, never the CPU venv; without a GPU it
+# is a dry run.
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 gpu-check:
 	PYTHONPATH="$(abspath src)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) tools/gpu_check.py $(GPU_ARGS)

@@ -166,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[report] {bench.name}: {seconds:.0f} s, exit status {status}", flush=True)
         if status != 0:
             failed.append(bench.name)
+    gpu = Path(__file__).resolve().parent / "gpu-check.md"
+    if any(b.needs == "cuda" for b in chosen) and missing("cuda") is not None and gpu.exists():
+        sections += ["", "## make gpu-check, on a GPU", "", gpu.read_text().strip()]
     Path(args.out).write_text(render(sections, args.quick, at, started))
     print(f"[report] wrote {args.out}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -97,14 +97,14 @@ def plan(python: str, quick: bool) -> list[Step]:
     """The steps, each with its budget: at most 360 s together, 180 with ``quick``."""
     pytest = [python, "-m", "pytest", "-p", "no:cacheprovider", "-m", "cuda"]
     steps = [Step("collect the CUDA tests", [*pytest, "--collect-only", "-q", "tests"], 25.0),
-             Step("CUDA tests", [*pytest, "-q", "-rs", "NODEID"], 110.0 if quick else 120.0)]
+             Step("CUDA tests", [*pytest, "-q", "-rs", "NODEID"], 110.0)]
     bench = [python, str(REPO / "benchmarks" / "gpu_checkpoint.py")]
     steps.append(Step("GPU checkpoint, 1GiB",
                       [*bench, "--size", "1GiB", "--repeats", "3" if quick else "5"],
                       45.0 if quick else 60.0))
     if not quick:
         steps.append(Step("GPU checkpoint, 8GiB",
-                          [*bench, "--size", "8GiB", "--repeats", "3", "--targets-only"], 150.0))
+                          [*bench, "--size", "8GiB", "--repeats", "3", "--targets-only"], 165.0))
     return steps
 
 
