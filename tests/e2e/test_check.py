@@ -202,3 +202,16 @@ def test_a_resumed_run_names_what_no_checkpoint_holds(workdir: Path):
     assert registered.returncode == 0, registered.stderr[-3000:]
     assert registered.stdout.startswith("start step 4 ") and \
         "in no checkpoint" not in registered.stderr, registered.stderr[-3000:]
+
+
+def test_a_stop_asked_at_an_epochs_last_batch_is_exact(workdir: Path):
+    """Step 32 is the last of 32 batches: the checkpoint waits for the epoch's closing code
+    (``best`` from the last batch's loss); on the old code the resumed run crashed there."""
+    tmp = workdir / "tmp"
+    tmp.mkdir()
+    done = run([*procckpt_argv(), "check", "--steps", "40", "--at", "32", "--", PYTHON,
+                str(PROGRAMS / "closing_train.py"), "--out", str(tmp / "out.pt")],
+               cwd=workdir, timeout=600, env={"TMPDIR": str(tmp)})
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: stopped at the end of an epoch at step 32, "), (
+        done.stdout)

@@ -71,3 +71,52 @@ def test_tiny_program_resumes_mid_epoch_with_interval_checkpoints(workdir: Path)
     events = list(read_events(ckpt / "events.jsonl"))
     assert any(e["event"] == "checkpoint" and e["reason"] == "interval" for e in events)
     assert_bit_identical(reference, out)
+
+
+CLOSING = PROGRAMS / "closing_train.py"
+
+
+@pytest.mark.parametrize("workers", ["0", "1"])
+def test_a_stop_on_an_epochs_last_batch_is_taken_after_the_epochs_closing_code(
+        workdir: Path, workers: str):
+    """The stop comes while batch 32 of 32 trains (as a deadline's signal would): its
+    checkpoint waits for the epoch's end, so the resumed run starts in the next epoch and the
+    closing code saw the last batch's loss (it crashed with NameError when resumed after
+    the last batch, inside an empty loop)."""
+    from ..harness.processes import stopped_once
+
+    args = ["--workers", workers]
+    reference = workdir / "reference.pt"
+    done = run([PYTHON, str(CLOSING), *args, "--out", str(reference)], cwd=workdir,
+               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    argv = ["--dir", str(ckpt), "--", PYTHON, str(CLOSING), *args, "--out", str(out)]
+    # Step 64 is the last batch of epoch 1 (counting from 0): paused 3 s inside it.
+    stopped = stopped_once([*argv, "--pause-at-step", "64"], workdir, lambda: "step 64\n" in (
+        workdir / "stopped.out").read_text())
+    assert stopped.returncode == 75, stopped.stderr[-3000:]
+    (saved,) = [e for e in read_events(ckpt / "events.jsonl") if e["event"] == "checkpoint"]
+    assert (saved["step"], saved["epoch"], saved["batch"]) == (64, 2, 0), saved
+    res = run([*procckpt_argv(), "run", *argv], cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "step 65\n" in res.stdout and "step 64\n" not in res.stdout, res.stdout[:300]
+    assert_bit_identical(reference, out)  # the weights and `best`
+
+
+def test_a_stop_on_the_last_step_of_steps_lets_the_code_after_the_loop_run(workdir: Path):
+    """``ckpt.steps(40)`` asked to stop at step 40: the end of training takes the checkpoint
+    and the final evaluation after the loop runs in the same process; the run has finished."""
+    from ..harness.processes import stopped_once
+
+    reference = workdir / "reference.pt"
+    done = run([PYTHON, str(CLOSING), "--steps-alone", "40", "--out", str(reference)],
+               cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    stopped = stopped_once(["--dir", str(ckpt), "--", PYTHON, str(CLOSING), "--steps-alone",
+                            "40", "--pause-at-step", "40", "--out", str(out)], workdir,
+                           lambda: "step 40\n" in (workdir / "stopped.out").read_text())
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert (ckpt / "COMPLETE").exists()
+    assert_bit_identical(reference, out)

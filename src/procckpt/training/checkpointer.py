@@ -324,7 +324,9 @@ class Checkpointer:
             self, info, payload))
 
     # -- safe points -----------------------------------------------------------------------
-    def _safe_point(self, epoch_end: bool = False) -> None:
+    def _safe_point(self, epoch_end: bool = False, defer: bool = False) -> None:
+        """A point where a checkpoint can be taken; ``defer``: one wanted here waits for the
+        next safe point (the last batch of an epoch waits for the epoch's end: loops.py)."""
         triggers = self._triggers
         now = time.monotonic()
         self._saves.reserve_ahead(self._payload, self._member)  # once, after the first step
@@ -332,12 +334,12 @@ class Checkpointer:
         self._liveness.at_safe_point(self.step, now)  # the gap since the last one, measured
         self._timer.at_safe_point(now)
         try:
-            self._act_at_safe_point(now, epoch_end)
+            self._act_at_safe_point(now, epoch_end, defer)
         finally:
             self._liveness.left_safe_point()
 
-    def _act_at_safe_point(self, now: float, epoch_end: bool) -> None:
-        self._check.at_safe_point(self, epoch_end)  # under procckpt check only
+    def _act_at_safe_point(self, now: float, epoch_end: bool, defer: bool = False) -> None:
+        self._check.at_safe_point(self, epoch_end, defer=defer)  # under procckpt check only
         triggers = self._triggers
         flags = triggers.wanted(now, epoch_end, self.epoch)
         if self._dist is not None:
@@ -347,8 +349,8 @@ class Checkpointer:
                 return
             triggers.adopt(agreed)
             flags = agreed
-        if flags is None:
-            return  # the common case, every step: nothing to save
+        if flags is None or defer:
+            return  # the common case, every step: nothing to save (a deferred wish is kept)
         if (reason := triggers.reason_for(flags)) is None:
             return
         triggers.best_pending = False

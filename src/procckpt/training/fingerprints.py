@@ -88,7 +88,8 @@ class NoCheck:
     def __init__(self) -> None:
         self._looked = False
 
-    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
+    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True,
+                      defer: bool = False) -> None:
         if self._looked:
             return
         self._looked = True
@@ -111,21 +112,27 @@ class CheckHook:
     def __init__(self, end: int, stop_at: int | None, trace: str) -> None:
         self.end, self.stop_at, self.trace = end, stop_at, trace
         self._recorded: int | None = None
+        self._deferred = False  # whether the step recorded last left its stop to the next point
         #: What the script holds beside its checkpoint (found at the first safe point): its
         #: state is recorded as ``unsaved.NAME`` and compared like the rest.
         self._unsaved: dict[str, tuple[Any, str]] | None = None
         self.driven = False  # see NoCheck.driven
 
-    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True) -> None:
+    def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True,
+                      defer: bool = False) -> None:
         """Record the state after this step; ``saves``: whether this is a point where a
         checkpoint can be taken (a framework's loop skips an epoch's last batch): the check
-        stops and resumes only at those."""
+        stops and resumes only at those. ``defer``: one can, at the next safe point of the
+        same step (an epoch's last batch and the epoch's end): the stop waits for it."""
         step = ck.step
         if self._recorded is None and ck.resumed_from is not None:
             self._recorded = ck.resumed_from.step  # the stopped process recorded it
-        if step == self._recorded:  # an epoch's end after its last step: nothing new
+        if step == self._recorded:  # an epoch's end after its last step: nothing new,
+            if saves and not defer and self._deferred:  # but the stop its last batch left
+                self._deferred = False
+                self._stop_or_end(ck, step, stops=True)
             return
-        self._recorded = step
+        self._recorded, self._deferred = step, saves and defer
         if self._unsaved is None:
             self._unsaved = {} if self.driven else unsaved_statefuls(ck._statefuls,
                                                                      sys._getframe(1))
@@ -137,11 +144,15 @@ class CheckHook:
                 **({"unsaved": describe_unsaved(self._unsaved)} if self._unsaved else {})}
         with open(f"{self.trace}.{ck.rank}", "a") as f:  # every rank its own
             f.write(json.dumps(line) + "\n")
+        self._stop_or_end(ck, step, stops=saves and not defer)
+
+    def _stop_or_end(self, ck: Any, step: int, stops: bool) -> None:
         # Every rank of a group gets here at the same step: the saves below are collective.
         # At stop_at, or at the first point after it where a checkpoint can be taken (inside
-        # a gradient accumulation it waits for the window's end).
+        # a gradient accumulation it waits for the window's end; at an epoch's last batch,
+        # for the epoch's end).
         if self.stop_at is not None and step >= self.stop_at and ck.resumed_from is None \
-                and saves:
+                and stops:
             ck.save(STOP_REASON)
             self._leave(ck, ck._context.stop_exit_code)
         elif step >= self.end:

@@ -1,6 +1,12 @@
 """The Checkpointer's loops: ``epochs()``, ``batches()`` and ``steps()``, with a safe point after
 each batch or step and at each epoch's end. The Checkpointer's methods return these; ``ck`` is
-that Checkpointer (typed Any: this module is below it)."""
+that Checkpointer (typed Any: this module is below it).
+
+A checkpoint wanted at the last batch of an epoch (or the last step of ``steps()``) is taken
+at the next safe point instead, the epoch's end, after the code that closes the epoch (or at
+the end of training): a run resumed from it must never start inside a loop with nothing left
+to run, where the closing code would miss what the last batch left it (``loss``, a metric).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from typing import Any, TypeVar
 from ..errors import ProcckptError, logged_exit
 from .accumulation import window_ended
 
-__all__ = ["epochs", "batches", "steps"]
+__all__ = ["epochs", "batches", "steps", "last_batch"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +49,9 @@ def epochs(ck: Any, num_epochs: int) -> Iterator[int]:
             raise
         progress.end_epoch()
         if ck._window is None or ck._window():  # (an accumulation across epochs: no)
-            ck._safe_point(epoch_end=True)
+            # After the last epoch the end of training takes the checkpoint, after the code
+            # that follows the loop began (a resume must never start in an empty loop).
+            ck._safe_point(epoch_end=True, defer=progress.epoch >= num_epochs)
     progress.in_epochs = False
     ck._finish()
 
@@ -59,16 +67,27 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
         ck._exiting = True
         raise logged_exit(e, logger) from None
     ck._window = window = window_ended()
+    last = last_batch(progress)
     for item in iterator:
         ck._in_batch = True
         yield item
         ck._in_batch = False
         progress.batch_done()
         if window is None or window():
-            ck._safe_point()
+            ck._safe_point(defer=progress.batch == last)
         else:  # inside a gradient accumulation: its summed gradients are in no checkpoint
             ck._check.at_safe_point(ck, False, saves=False)  # under procckpt check only
     progress.end_pass()
+
+
+def last_batch(progress: Any) -> int | None:
+    """The number of an epoch's last batch, where ``epochs()`` follows with the epoch's
+    closing code and its own safe point; None where it cannot be known ahead (a loader
+    without a length, a pass resharded for another world size) or no epoch closes."""
+    shape = progress.loader_shape or {}
+    if not progress.in_epochs or progress.samples_before or shape.get("batches") is None:
+        return None
+    return int(shape["batches"])
 
 
 def steps(ck: Any, total: int) -> Iterator[int]:
@@ -94,6 +113,8 @@ def steps(ck: Any, total: int) -> Iterator[int]:
             raise
         ck._in_batch = False
         progress.batch_done()
-        ck._safe_point()
+        # The last step's checkpoint waits for what closes the loop: the epoch's end, or
+        # (alone) the end of training, whose checkpoint is the one a stop gets.
+        ck._safe_point(defer=number == total - 1)
     if alone:
         ck._finish()
