@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 from ..harness.processes import TINY, events, reference, start, wait_for_line
@@ -222,3 +223,33 @@ def test_a_command_killed_by_a_signal_is_named_and_the_rerun_counts_as_a_restart
                 cwd=workdir)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(restart 1)" in again.stderr, again.stderr[-3000:]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_during_the_deadlines_stop_ends_the_run_after_its_checkpoint(
+        workdir: Path, signum: int):
+    """Ctrl-C (or a scheduler's SIGTERM) while the deadline's checkpoint is being taken: the
+    user asked to stop, so the run ends with 75 after that checkpoint (it restarted before,
+    and a SIGTERM there was dropped without a word)."""
+    proc = subprocess.Popen(
+        [*procckpt_argv(), "run", "--dir", "c", "--time-limit", "30s", "--grace", "8s", "--",
+         *TINY, "--epochs", "4", "--step-sleep", "1.0"], cwd=workdir, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    said = []
+    for line in proc.stderr:  # the launcher's log: wait for the deadline's request
+        said.append(line)
+        if "then stop (deadline)" in line:
+            break
+    else:
+        raise AssertionError("".join(said[-20:]))
+    proc.send_signal(signum)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 75, rest
+    log = events(workdir / "c")
+    (kept,) = [e for e in log if e["event"] == "stop-signal"]
+    assert kept["signal"] == signal.Signals(signum).name and kept["during"] == "deadline"
+    assert not [e for e in log if e["event"] == "restart"], rest
+    assert [e for e in log if e["event"] == "checkpoint"], rest
+    assert "the run stops after it" in rest

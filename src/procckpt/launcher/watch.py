@@ -153,8 +153,9 @@ class CycleWatch:
                 self.child.signal(signum)
                 outcome.forwarded.append(name)
             else:
-                logger.warning("Ctrl-C (SIGINT): a checkpoint is already being taken before "
-                               "the stop; Ctrl-C again to kill the command now")
+                self._keep_stop(name, "Ctrl-C (SIGINT): a checkpoint is already being taken "
+                                "before the stop; the run stops after it (Ctrl-C again to "
+                                "kill the command now)")
         elif action is Action.FORWARD:
             self.child.signal(signum)
             if signum != signal.SIGCONT:
@@ -164,8 +165,23 @@ class CycleWatch:
             self.deadline.stop_asked(name)
             # SIGTERM comes with the scheduler's kill close behind; USR1 is a warning.
             self._begin_stop(name, now, warned=signum != signal.SIGTERM)
+        elif action is Action.CHECKPOINT_STOP:
+            self.deadline.stop_asked(name)
+            self._keep_stop(name, f"{name}: a checkpoint is already being taken before the "
+                            "stop; the run stops after it")
         elif action is Action.CHECKPOINT and self.stop is None:
             self._trigger("checkpoint", name)
+
+    def _keep_stop(self, name: str, said: str) -> None:
+        """A stop signal while the deadline's stop is being taken: the one checkpoint serves
+        both, and the run then ends as after that signal (it is not restarted)."""
+        outcome = self.outcome
+        if outcome.stop_cause is StopCause.SIGNAL:
+            return  # a signal's stop already: it ends the run
+        logger.warning("%s", said)
+        append_event(self.store.events_path, "stop-signal", signal=name, during=(
+            outcome.stop_cause.value if outcome.stop_cause else "stop"), cycle=self.cycle)
+        outcome.stop_cause, outcome.stop_signal = StopCause.SIGNAL, name
 
     def _on_time(self, now: float, trigger_at: float | None) -> None:
         """The deadline's checkpoint, and the periodic one, when their time has come."""
