@@ -96,6 +96,19 @@ def test_every_environment_variable_the_code_reads_is_in_the_reference():
     assert variables and not missing, f"docs/cli.md does not name {missing}"
 
 
+def test_the_checks_help_names_the_exit_codes_of_the_one_table():
+    """docs/cli.md's exit-code table has a column for ``procckpt check``; its --help names
+    the same codes."""
+    codes = []
+    for line in (DOCS / "cli.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].isdigit() and cells[3]:
+            codes.append(int(cells[0]))
+    help_text = " ".join((cli.commands["check"].help or "").split())
+    said = [int(c) for c in re.findall(r"(\d+) [a-z]", help_text.split("Exit:", 1)[1])]
+    assert codes and said == codes, (said, codes)
+
+
 def test_the_run_option_table_in_the_reference_is_the_codes():
     from procckpt.launcher.config import OPTIONS, shown_default
 

@@ -192,7 +192,7 @@ def check(command: tuple[str, ...], steps: int, at: int | None, keep: bool) -> N
     \b
     Example:
         procckpt check --steps 20 -- python train.py --epochs 1
-    Exit: 0 exact; 1 differs or not deterministic; 2 bad input.
+    Exit: 0 exact; 1 differs or not deterministic; 2 bad input; 127 command not found.
     """
     from .check import describe, run_check
 

@@ -69,6 +69,11 @@ def test_a_batch_fetched_ahead_outside_extras_differs(workdir: Path):
                                   "statefuls.model, statefuls.optimizer differ from step 7"), \
         done.stdout
     assert "a batch fetched ahead" in done.stdout
+    # The precise warning, printed only in the resumed run's own log, is shown with the
+    # verdict; and why no stop was made at an epoch's end.
+    assert "a run warned: the script drew random numbers after procckpt.Checkpointer() " \
+           "resumed" in done.stdout, done.stdout
+    assert "no stop at an epoch's end: no epoch ended within the 12 steps" in done.stdout
 
 
 def test_a_script_seeded_from_the_clock_is_not_deterministic(workdir: Path):

@@ -90,6 +90,15 @@ def run_check(command: list[str], steps: int, at: int | None, keep: bool = False
                                            f"{stop_at}", again=c), stop_at))
             verdict = _verdict(a, b, resumed, steps)
             verdict.details.extend(waited)
+            if at is None and len(stops) == 1:
+                verdict.details.append(
+                    f"no stop at an epoch's end: no epoch ended within the {steps} steps "
+                    "compared, at a point where a checkpoint can be taken; raise --steps "
+                    "past an epoch's end to check a resume there too")
+            said: dict[str, None] = {}
+            for run in (a, b, *(c for c, _ in resumed)):
+                said.update(dict.fromkeys(run.warnings()))
+            verdict.details.extend(f"a run warned: {line}" for line in said)
         runs = sum(run.seconds for run in (a, b, *(c for c, _ in resumed)))
         verdict.details.append(f"{2 + 2 * len(resumed)} runs of the command took {runs:.1f}s "
                                f"of the check's {time.monotonic() - started:.1f}s")

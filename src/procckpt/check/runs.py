@@ -68,6 +68,14 @@ class Run:
         return next((str(e["unsaved"]) for e in self._entries().get(0, []) if e.get("unsaved")),
                     "")
 
+    def warnings(self) -> list[str]:
+        """What procckpt warned of in the script's processes, every rank, first ones first."""
+        said: dict[str, None] = {}
+        for path in sorted(self.dir.parent.glob(f"{self.name}.trace-warnings.*")):
+            said.update(dict.fromkeys(line for line in path.read_text(
+                errors="replace").splitlines() if line.strip()))
+        return list(said)
+
     def traces(self) -> dict[int, dict[int, dict[str, int]]]:
         """rank -> step -> part -> CRC, as the training recorded them (a step recorded twice,
         by the stopped and the resumed process, keeps the later line)."""

@@ -111,6 +111,13 @@ class CheckHook:
 
     def __init__(self, end: int, stop_at: int | None, trace: str) -> None:
         self.end, self.stop_at, self.trace = end, stop_at, trace
+        # What procckpt warns of in this run goes beside the check's verdict too (a warning
+        # printed only in a run's own log is seen with --keep alone).
+        rank = os.environ.get("RANK", "0").strip() or "0"
+        warnings = logging.FileHandler(f"{trace}-warnings.{rank}", delay=True)
+        warnings.setLevel(logging.WARNING)
+        warnings.setFormatter(logging.Formatter("%(message)s"))
+        logging.getLogger("procckpt").addHandler(warnings)
         self._recorded: int | None = None
         self._deferred = False  # whether the step recorded last left its stop to the next point
         #: What the script holds beside its checkpoint (found at the first safe point): its
