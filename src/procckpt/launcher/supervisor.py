@@ -31,6 +31,7 @@ from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
 from .restart import Decision, RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult, exit_words
+from .said import newest_intact, restart_number, resumes_from
 from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
 from .watch import CycleWatch, log_confirmed
 
@@ -116,7 +117,7 @@ class Supervisor:
                      engine=self.engine.name, deadline=self.deadline.source, restart=restarts,
                      job_id=os.environ.get("SLURM_JOB_ID"))
         logger.info("checkpoint dir %s: the command %s", self.store.root,
-                    self._resumes_from().replace("(no checkpoint yet)",
+                    resumes_from(self.store).replace("(no checkpoint yet)",
                                                  "(nothing was saved there yet)"))
         room = self.store.room_shortfall()
         if room is not None:
@@ -141,7 +142,7 @@ class Supervisor:
                 # The engine cannot take an image of this command: every cycle would end so.
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
                                   f"{stuck}. Running the same command again "
-                                  f"{self._resumes_from()}", error=True)
+                                  f"{resumes_from(self.store)}", error=True)
             if outcome.lost_nodes:
                 return self._after_node_loss(outcome.lost_nodes, restarts)
             if outcome.hung and not outcome.finished:
@@ -152,7 +153,7 @@ class Supervisor:
                                       "are in the log above", error=True)
                 restarts += 1
                 logger.warning("restarting the hung command: the next cycle %s",
-                               self._resumes_from())
+                               resumes_from(self.store))
                 append_event(self.store.events_path, "restart", restart=restarts, cause="hang",
                              step=self.hangs.last_step)
                 continue
@@ -160,7 +161,7 @@ class Supervisor:
                 return self._exit(EX_IOERR, ExitReason.STORAGE_FAILED,
                                   f"the training could not read or write its checkpoints in "
                                   f"{self.store.root} (its error is above); that would fail "
-                                  f"again, so it is not restarted; {self._newest_intact()}: fix "
+                                  f"again, so it is not restarted; {newest_intact(self.store)}: fix "
                                   "the storage, then run the same command again to resume",
                                   error=True)
             if outcome.finished:
@@ -191,7 +192,7 @@ class Supervisor:
                 logger.warning("cycle %d %s; the next cycle %s", self.cycles,
                                "ended without a checkpoint" if step is None else
                                "made no progress: its checkpoint is no further than the one "
-                               "before it", self._resumes_from())
+                               "before it", resumes_from(self.store))
             else:
                 stalled = 0
                 last_step = step
@@ -204,7 +205,7 @@ class Supervisor:
                                   "--time-limit or lower --grace")
             if verdict.decision is Decision.RESTART_HERE:
                 restarts += 1
-                number = self._restart_number(restarts)
+                number = restart_number(self.store, restarts)
                 logger.info("restarting (%s)", verdict.message if number == restarts else
                             f"restart {number} of the training; {verdict.message} in this "
                             "launch")
@@ -225,7 +226,7 @@ class Supervisor:
                 # The stop's checkpoint never came (a stuck step): no claim that it did.
                 return self._exit(EX_TEMPFAIL, ExitReason.INTERRUPTED,
                                   f"{unsaved}running the same command again "
-                                  f"{self._resumes_from()}", error=True)
+                                  f"{resumes_from(self.store)}", error=True)
             return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message)
 
     def _lost_nodes(self, outcome: CycleOutcome) -> list[object]:
@@ -253,7 +254,7 @@ class Supervisor:
         """A node of the job is gone: the work since the newest checkpoint is lost with it;
         the policy requeues the job (Slurm starts it again once it has the nodes)."""
         logger.error("the job lost %s: the work since the newest checkpoint is lost with it; "
-                     "the next cycle %s", ", ".join(map(str, lost)), self._resumes_from())
+                     "the next cycle %s", ", ".join(map(str, lost)), resumes_from(self.store))
         append_event(self.store.events_path, "node-lost", cycle=self.cycles,
                      nodes=[str(node) for node in lost])
         verdict = self.policy.after_node_loss(lost, restarts)
@@ -281,7 +282,7 @@ class Supervisor:
                               "the command exited 0 before the end of its training loop "
                               "(ckpt.epochs(), steps() or batches(); a break?), so the run is "
                               "not marked complete and running it again "
-                              f"{self._resumes_from(verb='resumes')}; to end training early, "
+                              f"{resumes_from(self.store, verb='resumes')}; to end training early, "
                               "call ckpt.finish() before break")
         ended = exit_words(code)
         if self.config.restart_on_failure and restarts < self.config.max_restarts:
@@ -300,10 +301,10 @@ class Supervisor:
                                   f"{', '.join(map(str, codes))}) with no new checkpoint in "
                                   "between, so it would fail again: not restarted. Fix the "
                                   "cause; running the same command again "
-                                  f"{self._resumes_from(verb='resumes')}", error=True)
+                                  f"{resumes_from(self.store, verb='resumes')}", error=True)
             delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 1))
             logger.warning("the command %s; restarting in %s (--restart-on-failure): the next "
-                           "cycle %s", ended, format_duration(delay), self._resumes_from())
+                           "cycle %s", ended, format_duration(delay), resumes_from(self.store))
             append_event(self.store.events_path, "restart", restart=restarts + 1,
                          cause="failure", exit_code=code)
             self._carried_signals += self._sleep(delay)
@@ -314,18 +315,7 @@ class Supervisor:
                 else ", not restarted (see --restart-on-failure)")
         return self._exit(code, ExitReason.FAILED,
                           f"the command {ended}{hint}; running the same command again "
-                          f"{self._resumes_from(verb='resumes')}", error=True)
-
-    def _restart_number(self, restarts: int) -> int:
-        """The restart count the training is told (and says): this launch's, or one more than
-        the newest checkpoint's if that is more (a rerun by hand is a restart too). The
-        --max-restarts budget counts this launch's alone."""
-        try:
-            infos = self.store.checkpoints()
-        except OSError:
-            infos = []
-        saved = infos[0].manifest.get("restart") if infos else None
-        return max(restarts, saved + 1) if isinstance(saved, int) else restarts
+                          f"{resumes_from(self.store, verb='resumes')}", error=True)
 
     def _sleep(self, seconds: float) -> list[int]:
         """Wait ``seconds`` between cycles, or until a signal comes (it is for the next)."""
@@ -335,32 +325,6 @@ class Supervisor:
             if signals:
                 return signals
         return []
-
-    def _newest_intact(self) -> str:
-        """Whether the newest checkpoint still verifies (after a storage failure), in words."""
-        try:
-            infos = self.store.checkpoints()
-            if not infos:
-                return "there is no checkpoint yet"
-            problem = self.store.verify(infos[0].path)
-        except Exception as e:  # the storage is failing: say so, do not fail the exit
-            return f"the newest checkpoint could not be checked ({e})"
-        if problem is not None:
-            return f"the newest checkpoint, {infos[0].name}, is damaged ({problem})"
-        step = f" (step {infos[0].step})" if infos[0].step is not None else ""
-        return f"the newest checkpoint, {infos[0].name}{step}, verified intact"
-
-    def _resumes_from(self, verb: str = "resumes") -> str:
-        """Where the next start of the command begins, in words: 'resumes from ckpt-N
-        (step S)' or 'starts from the beginning (no checkpoint yet)'."""
-        try:
-            infos = self.store.checkpoints()
-        except OSError:
-            infos = []
-        if not infos:
-            return "starts from the beginning (no checkpoint yet)"
-        step = f" (step {infos[0].step})" if infos[0].step is not None else ""
-        return f"{verb} from {infos[0].name}{step}"
 
     def _exit(self, code: int, reason: ExitReason, message: str, error: bool = False,
               ) -> RunResult:
@@ -390,7 +354,7 @@ class Supervisor:
         # A torch.compile'd model would compile again after every restart (on a new node, a
         # fresh /tmp): its kernels are kept beside the checkpoints unless the user chose a place.
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.store.root / INDUCTOR_CACHE_DIR))
-        env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(self._restart_number(restarts)),
+        env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(restart_number(self.store, restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         if self.board is not None:  # the other nodes start their part with the same env
             self.board.running(token, self.cycles, {
