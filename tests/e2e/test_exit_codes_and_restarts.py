@@ -53,3 +53,17 @@ def test_a_rerun_of_a_script_that_finished_early_trains_nothing_unless_forced(wo
     forced = run(argv, cwd=workdir, env={"PROCCKPT_FORCE": "1"})
     assert forced.returncode == 0 and "step 1\n" in forced.stdout, forced.stderr[-3000:]
     assert "PROCCKPT_FORCE: the finished run's checkpoints moved to" in forced.stderr
+
+
+def test_a_first_cycle_shorter_than_a_slow_start_restarts_and_the_run_finishes(workdir: Path):
+    """The script imports procckpt but is still starting (20 s before its Checkpointer, the
+    first cycle alone) when the first cycle's deadline comes: a slow start, counted as a
+    cycle without progress, not a script without procckpt (that ended the run with 124)."""
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "15s", "--grace",
+                  "3s", "--", *TINY, "--epochs", "2", "--step-sleep", "0.1",
+                  "--slow-first-start", "20"], cwd=workdir, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cycle 1 ended before the command connected to procckpt: a slow start (" in (
+        result.stderr), result.stderr[-3000:]
+    assert "use procckpt.Checkpointer" not in result.stderr
+    assert "training finished" in result.stderr

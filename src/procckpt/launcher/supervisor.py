@@ -15,6 +15,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 
 from ..durations import format_duration
 from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
@@ -27,6 +28,7 @@ from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
 from .engines import Engine
+from .engines.choice import imports_procckpt
 from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
 from .restart import Decision, RestartPolicy, StopCause
@@ -178,9 +180,12 @@ class Supervisor:
                     return result
                 restarts += 1
                 continue
-            # A command that has checkpointed before and merely started too slowly this time
-            # (torchrun and its workers under load) makes no progress; it is not unable to.
-            if outcome.confirmed is None and not outcome.connected and last_step is None:
+            # A command that has checkpointed before, or whose script imports procckpt, and
+            # merely started too slowly (torchrun and its workers under load) makes no
+            # progress; it is not unable to.
+            slow = None if outcome.connected or outcome.confirmed else self._slow_start()
+            if outcome.confirmed is None and not outcome.connected and last_step is None \
+                    and slow is None:
                 return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
                                   f"the command was stopped ({outcome.stop_text}) but it "
                                   "never connected to procckpt, so nothing was saved and a "
@@ -190,7 +195,7 @@ class Supervisor:
             if step is None or (last_step is not None and step <= last_step):
                 stalled += 1
                 logger.warning("cycle %d %s; the next cycle %s", self.cycles,
-                               "ended without a checkpoint" if step is None else
+                               (slow or "ended without a checkpoint") if step is None else
                                "made no progress: its checkpoint is no further than the one "
                                "before it", resumes_from(self.store))
             else:
@@ -325,6 +330,14 @@ class Supervisor:
             if signals:
                 return signals
         return []
+
+    def _slow_start(self) -> str | None:
+        """Why a cycle that ended before the command connected was a slow start (its script
+        imports procckpt), or None: a command without procckpt."""
+        script = imports_procckpt(self.config.command, Path.cwd()) \
+            if self.engine.name == "hooks" else None
+        return None if script is None else ("ended before the command connected to procckpt:"
+                                            f" a slow start ({script} imports procckpt)")
 
     def _exit(self, code: int, reason: ExitReason, message: str, error: bool = False,
               ) -> RunResult:

@@ -46,8 +46,12 @@ def main() -> None:
                              "checkpoint or handed to the Checkpointer")
     parser.add_argument("--start-seconds", type=float, default=0.0,
                         help="a slow start before Checkpointer() (imports, reading a config)")
+    parser.add_argument("--slow-first-start", type=float, default=0.0,
+                        help="as --start-seconds, in the first cycle alone (PROCCKPT_RESTART 0)")
     args = parser.parse_args()
     time.sleep(args.start_seconds)
+    if os.environ.get("PROCCKPT_RESTART", "0") == "0":
+        time.sleep(args.slow_first_start)
 
     torch.manual_seed(0)
     x = torch.randn(args.n, 16)
