@@ -39,3 +39,24 @@ def test_a_sharded_holder_covers_its_model_and_optimizers():
     model = nn.Linear(3, 3)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     assert unsaved_statefuls({"train": Sharded(model, optimizer)}, sys._getframe()) == {}
+
+
+def test_tensors_training_changed_in_place_are_named_unless_extras_hold_them():
+    model = nn.Linear(3, 2)
+    data = torch.randn(8, 3)  # made once, never changed: not state
+    ema = [p.detach().clone() for p in model.parameters()]  # the common EMA
+    for average, p in zip(ema, model.parameters()):  # leaves `average` at one of ema's
+        average.mul_(0.9).add_(p.detach(), alpha=0.1)
+    running = {"loss": torch.zeros(())}
+    running["loss"] += 1.0  # a running sum in a dict
+    kept = [torch.zeros(2)]
+    kept[0].add_(1)  # changed, but in ckpt.extras: in the checkpoint
+    weights = list(model.parameters())  # the model's own: covered
+    batch = data * 2  # a fresh result: never changed in place
+    found = unsaved_statefuls({"model": model}, sys._getframe(), {"kept": kept})
+    assert sorted(found) == ["ema", "running"]
+    assert describe_unsaved({"ema": found["ema"]}).startswith("ema (a list of 2 tensors, in ")
+    assert describe_unsaved({"running": found["running"]}).startswith(
+        "running (a dict of 1 tensor, in ")
+    assert set(found["ema"][0].state_dict()) == {"0", "1"}
+    del weights, batch

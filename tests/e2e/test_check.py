@@ -180,6 +180,15 @@ def test_an_ema_in_no_checkpoint_is_named_and_compared(workdir: Path):
     assert ("certain: ema is in no checkpoint (ema (AveragedModel, in main())), so a resume "
             "starts it afresh: pass it to the Checkpointer (Checkpointer(..., ema=ema))") in \
         unsaved.stdout
+    # The same kept the common way, as tensors updated in place, is found and compared too.
+    tensors = check(workdir, *script, "--ema", "tensors")
+    assert tensors.returncode == 1, tensors.stdout + tensors.stderr[-3000:]
+    assert tensors.stdout.startswith("differs: after the resume in the middle of an epoch at "
+                                     "step 6, unsaved.ema differs from step 7 on"), tensors.stdout
+    assert ("certain: ema is in no checkpoint (ema (a list of 4 tensors, in main())), so a "
+            "resume starts it afresh: pass it to the Checkpointer (Checkpointer(..., ema=ema)), "
+            "or, for tensors, keep it in ckpt.extras (ckpt.extras['ema'] = ema; take it from "
+            "there after a resume)") in tensors.stdout, tensors.stdout
     saved = check(workdir, *script, "--ema", "saved")
     assert saved.returncode == 0, saved.stdout + saved.stderr[-3000:]
     assert "statefuls.ema" in saved.stdout and "unsaved" not in saved.stdout, saved.stdout
@@ -199,7 +208,8 @@ def test_a_resumed_run_names_what_no_checkpoint_holds(workdir: Path):
     assert len(said) == 1 and said[0].endswith(
         "resumed, but ema (AveragedModel, in main()) is in no checkpoint, so it starts "
         "afresh: if it changes during training, pass it to the Checkpointer "
-        "(Checkpointer(..., ema=ema))"), again.stderr[-3000:]
+        "(Checkpointer(..., ema=ema)), or, for tensors, keep it in ckpt.extras "
+        "(ckpt.extras['ema'] = ema; take it from there after a resume)"), again.stderr[-3000:]
     # Handed to the Checkpointer: nothing to say on the resume.
     saved = [*argv[:-1], "saved", "--ckpt-dir", str(workdir / "other")]
     assert run([*saved, "--fail-at-step", "6"], cwd=workdir).returncode == 3

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..errors import CommandNotFoundError, UsageError
 from ..protocol.control import CHECK_UNSAVED as UNSAVED
+from ..protocol.control import keep_unsaved_advice
 from .runs import CheckInterrupted, Run, Runner, Signalled, last_step, signals_held, \
     signals_raise
 
@@ -276,11 +277,9 @@ def _likely_causes(parts: list[str], step: int, stop_at: int, unsaved: str) -> l
     terms (``unsaved``: what the script holds beside its checkpoint, described)."""
     lost = [p.removeprefix(UNSAVED) for p in parts if p.startswith(UNSAVED)]
     if lost:
-        keep = ", ".join(f"{name}={name}" for name in lost)
         return [f"certain: {', '.join(lost)} {'is' if len(lost) == 1 else 'are'} in no "
                 f"checkpoint ({unsaved}), so a resume starts {'it' if len(lost) == 1 else 'them'}"
-                f" afresh: pass {'it' if len(lost) == 1 else 'them'} to the Checkpointer "
-                f"(Checkpointer(..., {keep}))"]
+                f" afresh: {keep_unsaved_advice(lost)}"]
     rng = [p for p in parts if p.startswith("rng.")]
     causes = []
     if step == stop_at + 1 and rng:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
-           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "CHECK_UNSAVED",
+           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "CHECK_UNSAVED", "keep_unsaved_advice",
            "STACK_DUMP_SIGNAL"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
@@ -58,6 +58,17 @@ ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
 ENV_CHECK = "PROCCKPT_CHECK"
 #: In its traces: the parts that hold what the script keeps and no checkpoint does.
 CHECK_UNSAVED = "unsaved."
+
+
+def keep_unsaved_advice(names: list[str]) -> str:
+    """How to keep ``names`` in the checkpoint: objects go to the Checkpointer, tensors to
+    ``ckpt.extras``."""
+    it = "it" if len(names) == 1 else "them"
+    keep = ", ".join(f"{name}={name}" for name in names)
+    extras = ", ".join(f"ckpt.extras['{name}'] = {name}" for name in names)
+    return (f"pass {it} to the Checkpointer (Checkpointer(..., {keep})), or, for tensors, "
+            f"keep {it} in ckpt.extras ({extras}; take {it} from there after a resume)")
+
 
 #: Asks every process of the training to print its Python stacks (``faulthandler``). Its default
 #: action is to be ignored, so processes that did not register for it (torchrun's agent, a

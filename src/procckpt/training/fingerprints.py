@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..protocol.control import CHECK_UNSAVED as UNSAVED
-from ..protocol.control import ENV_CHECK
+from ..protocol.control import ENV_CHECK, keep_unsaved_advice
 from ..store.checksum import crc32
 from .unsaved import describe_unsaved, unsaved_statefuls
 
@@ -95,15 +95,14 @@ class NoCheck:
         self._looked = True
         if ck.resumed_from is None or ck.rank != 0 or self.driven:
             return
-        found = unsaved_statefuls(ck._statefuls, sys._getframe(1))
+        found = unsaved_statefuls(ck._statefuls, sys._getframe(1), ck.extras)
         if found:
-            names = ", ".join(f"{name}={name}" for name in found)
             logger.warning("resumed, but %s %s in no checkpoint, so %s afresh: if %s during "
-                           "training, pass %s to the Checkpointer (Checkpointer(..., %s))",
-                           describe_unsaved(found), "is" if len(found) == 1 else "are",
+                           "training, %s", describe_unsaved(found),
+                           "is" if len(found) == 1 else "are",
                            "it starts" if len(found) == 1 else "they start",
                            "it changes" if len(found) == 1 else "they change",
-                           "it" if len(found) == 1 else "them", names)
+                           keep_unsaved_advice(list(found)))
 
 
 class CheckHook:
@@ -141,8 +140,8 @@ class CheckHook:
             return
         self._recorded, self._deferred = step, saves and defer
         if self._unsaved is None:
-            self._unsaved = {} if self.driven else unsaved_statefuls(ck._statefuls,
-                                                                     sys._getframe(1))
+            self._unsaved = {} if self.driven else unsaved_statefuls(
+                ck._statefuls, sys._getframe(1), ck.extras)
         parts = fingerprints(ck._payload())
         parts.update({f"{UNSAVED}{name}": _crc(obj.state_dict())
                       for name, (obj, _) in self._unsaved.items()})

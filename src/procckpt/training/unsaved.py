@@ -11,6 +11,12 @@ statefuls covers: a module whose parameters and buffers all belong to a register
 submodule, a ``DistributedDataParallel`` or ``torch.compile`` wrapper) is covered, and so is a
 wrapper of a registered optimizer or scheduler. Modules without parameters or buffers (a loss)
 and data loaders and data sets (their position is procckpt's business) are left out.
+
+State kept as plain tensors counts too (an EMA as ``[p.detach().clone() for p in
+model.parameters()]``, updated in place; a running sum): a tensor, or a list, tuple or dict of
+them, that none of the statefuls or ``ckpt.extras`` holds and that training changed in place
+(its version counter moved) by the first safe point. Tensors made once and never changed
+(the data) are left out.
 """
 
 from __future__ import annotations
@@ -21,10 +27,31 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["unsaved_statefuls", "describe_unsaved"]
+__all__ = ["unsaved_statefuls", "describe_unsaved", "HeldTensors"]
+
+
+class HeldTensors:
+    """Tensors the script holds in one variable (a tensor, or a list, tuple or dict of
+    them), with a ``state_dict()`` so that the check fingerprints them like an object."""
+
+    def __init__(self, obj: Any, tensors: dict[str, torch.Tensor]) -> None:
+        self.obj = obj
+        self.ids = {id(t) for t in tensors.values()}  # the script's own tensor objects
+        self.tensors = {k: t.detach() for k, t in tensors.items()}
+
+    @property
+    def kind(self) -> str:
+        if isinstance(self.obj, torch.Tensor):
+            return "a tensor"
+        n = len(self.tensors)
+        return f"a {type(self.obj).__name__} of {n} tensor{'s' if n != 1 else ''}"
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.tensors
 
 #: Attributes through which a wrapper holds what it wraps (DDP/FSDP and compile: module and
 #: _orig_mod; Accelerate's optimizer and scheduler wrappers) ...
@@ -38,10 +65,12 @@ _LIBRARIES = tuple(sorted({str(Path(p).resolve()) for key in ("stdlib", "platstd
 
 
 def unsaved_statefuls(registered: Mapping[str, Any], frame: types.FrameType | None,
-                      ) -> dict[str, tuple[Any, str]]:
+                      extras: Mapping[str, Any] | None = None) -> dict[str, tuple[Any, str]]:
     """Each object with a state the script's frames (from ``frame`` outwards) hold and no
-    registered stateful covers: its variable's name -> (the object, where it was found)."""
+    registered stateful (nor ``extras``) covers: its variable's name -> (the object, where it
+    was found); tensors held in a variable as a :class:`HeldTensors`."""
     covered, tensors = _covered(registered.values())
+    tensors.update(id(t) for t in _tensors_in(list((extras or {}).values()), depth=3))
     found: dict[str, tuple[Any, str]] = {}
     seen: set[int] = set()
     scopes: list[tuple[dict[str, Any], str]] = []
@@ -59,13 +88,70 @@ def unsaved_statefuls(registered: Mapping[str, Any], frame: types.FrameType | No
             seen.add(id(obj))
             if _holds_unsaved_state(obj, covered, tensors):
                 found.setdefault(name, (obj, where))
-    return found
+            elif (held := _changed_tensors(obj, tensors)) is not None:
+                found.setdefault(name, (held, where))
+    return _without_aliases(found)
+
+
+def _without_aliases(found: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+    """Drop held tensors that another variable holds too (a loop's variable left pointing
+    at one tensor of the list: ``for average, p in zip(ema, ...)``)."""
+    held = {name: obj.ids for name, (obj, _) in found.items() if isinstance(obj, HeldTensors)}
+    aliases = {name for name, ids in held.items()
+               if any(other != name and (ids < more or (ids == more and other < name))
+                      for other, more in held.items())}
+    return {name: value for name, value in found.items() if name not in aliases}
 
 
 def describe_unsaved(found: Mapping[str, tuple[Any, str]]) -> str:
     """'ema (AveragedModel, in main()), scaler (GradScaler, a global of train.py)'."""
-    return ", ".join(f"{name} ({type(obj).__name__}{', ' + where if where else ''})"
+    return ", ".join(f"{name} ({_kind(obj)}{', ' + where if where else ''})"
                      for name, (obj, where) in found.items())
+
+
+def _changed_in_place(t: torch.Tensor) -> bool:
+    try:
+        return t._version > 0
+    except RuntimeError:  # an inference tensor has no version counter (nor training state)
+        return False
+
+
+def _kind(obj: Any) -> str:
+    return obj.kind if isinstance(obj, HeldTensors) else type(obj).__name__
+
+
+def _tensors_in(obj: Any, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors of ``obj``: itself, or those in its lists, tuples and dicts (so deep)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if depth <= 0:
+        return []
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) \
+        else ()
+    return [t for item in items for t in _tensors_in(item, depth - 1)]
+
+
+def _changed_tensors(obj: Any, covered: set[int]) -> HeldTensors | None:
+    """``obj`` as held tensors if it is a tensor (or a list, tuple or dict of them, nothing
+    else in it) that no stateful covers and that training changed in place."""
+    if not isinstance(obj, (torch.Tensor, list, tuple, dict)) or isinstance(obj, torch.Size):
+        return None
+    if isinstance(obj, torch.Tensor):
+        tensors = {"0": obj}
+    elif isinstance(obj, dict):
+        if not obj or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return None
+        tensors = {str(k): v for k, v in obj.items()}
+    else:
+        if not obj or not all(isinstance(v, torch.Tensor) for v in obj):
+            return None
+        tensors = {str(i): v for i, v in enumerate(obj)}
+    if any(id(t) in covered or isinstance(t, nn.Parameter) or t.requires_grad
+           for t in tensors.values()):
+        return None  # the model's own tensors, or ones autograd makes (a loss, a batch's)
+    if not any(_changed_in_place(t) for t in tensors.values()):
+        return None  # made once, never changed in place: data, a constant
+    return HeldTensors(obj, tensors)
 
 
 def _is_the_scripts(filename: str) -> bool:

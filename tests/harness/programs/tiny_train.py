@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 import time
 
 import torch
@@ -41,9 +42,11 @@ def main() -> None:
     parser.add_argument("--stuck-worker-after", type=int, default=None,
                         help="a DataLoader worker blocks forever once it has loaded this many "
                              "samples (only on the first start)")
-    parser.add_argument("--ema", choices=("none", "unsaved", "saved"), default="none",
+    parser.add_argument("--ema", choices=("none", "unsaved", "saved", "tensors"),
+                        default="none",
                         help="keep an exponential moving average of the weights, in no "
-                             "checkpoint or handed to the Checkpointer")
+                             "checkpoint or handed to the Checkpointer (an AveragedModel), or "
+                             "as a list of tensors in no checkpoint")
     parser.add_argument("--start-seconds", type=float, default=0.0,
                         help="a slow start before Checkpointer() (imports, reading a config)")
     parser.add_argument("--slow-first-start", type=float, default=0.0,
@@ -64,8 +67,10 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Dropout(0.2),
                           nn.Linear(args.width, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    ema = None if args.ema == "none" else torch.optim.swa_utils.AveragedModel(
-        model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
+    ema: Any = None if args.ema == "none" else [
+        p.detach().clone() for p in model.parameters()] if args.ema == "tensors" else \
+        torch.optim.swa_utils.AveragedModel(
+            model, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.9))
     ckpt = procckpt.Checkpointer(args.ckpt_dir, model=model, optimizer=optimizer,
                                  save_every=args.save_every,
                                  **({"ema": ema} if args.ema == "saved" else {}))
@@ -78,7 +83,11 @@ def main() -> None:
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if ema is not None:
+            if isinstance(ema, list):  # the common way: tensors updated in place
+                with torch.no_grad():
+                    for average, p in zip(ema, model.parameters()):
+                        average.mul_(0.9).add_(p, alpha=0.1)
+            elif ema is not None:
                 ema.update_parameters(model)
             if args.fail_at_step is not None and ckpt.step + 1 == args.fail_at_step \
                     and ckpt.restart == 0:
@@ -99,7 +108,8 @@ def main() -> None:
     print("done", flush=True)
     if args.out:
         torch.save(model.state_dict() if ema is None else
-                   {"model": model.state_dict(), "ema": ema.state_dict()}, args.out)
+                   {"model": model.state_dict(), "ema": {str(i): t for i, t in enumerate(ema)}
+                    if isinstance(ema, list) else ema.state_dict()}, args.out)
 
 
 def prepare_data(seconds: float) -> None:
