@@ -83,6 +83,25 @@ def test_a_wait_loop_that_wakes_to_look_again_does_not_move(tmp_path: Path):
     assert watch(tmp_path, polling, seconds=3.0) == (0, 0)
 
 
+def test_a_wait_loop_whose_wake_ups_are_slow_does_not_move(tmp_path: Path):
+    # The same wait on a slow or loaded node: each wake-up costs the thread milliseconds of
+    # processor time (above the per-sample threshold), once a second. Each is one active
+    # sample, never two in a row (the old rule counted every one: the hang went unseen).
+    import queue
+
+    def slow_wake_ups(stop: threading.Event) -> None:
+        batches: queue.Queue[int] = queue.Queue()
+        while not stop.is_set():
+            try:
+                batches.get(timeout=1.0)
+            except queue.Empty:
+                end = time.thread_time() + 0.003  # the look at the workers, slowly
+                while time.thread_time() < end:
+                    pass
+
+    assert watch(tmp_path, slow_wake_ups, seconds=4.0) == (0, 0)
+
+
 def test_a_thread_blocked_on_a_lock_or_sleeping_does_not_move(tmp_path: Path):
     lock = threading.Lock()
     lock.acquire()

@@ -4,12 +4,16 @@ and validation are no hang. Real launcher, real training processes."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from ..conftest import PROGRAMS, assert_bit_identical, procckpt_argv, run
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 from ..harness.processes import TINY, events, reference
 
 
@@ -69,19 +73,40 @@ def test_a_stuck_rank_of_a_torchrun_group_is_caught_and_the_group_resumes_exactl
     assert_same_run(expected, out)
 
 
+@contextlib.contextmanager
+def both_cores_busy() -> Iterator[None]:
+    """A load the test makes itself: a spinning process per core, as on a shared node."""
+    spinners = [subprocess.Popen([PYTHON, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
+@pytest.mark.parametrize("load", ["quiet", "loaded"])
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_stuck_dataloader_worker_is_a_hang_caught_with_every_stack_and_resumed_exactly(
-        workdir: Path):
-    args = ["--epochs", "3", "--n", "512", "--workers", "2", "--step-sleep", "0.05"]
+        workdir: Path, workers: str, load: str):
+    args = ["--epochs", "2", "--n", "256", "--batch-size", "8", "--workers", workers,
+            "--step-sleep", "0.05"]
     expected = reference(workdir, *args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # Each worker loads whole batches of 32: the one that loads its 6th blocks for ever, and
-    # the main process waits for it in the DataLoader's queue.get(timeout=5), waking every 5 s.
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
-               "--hang-timeout", "10s", "--term-timeout", "2s", "--", *TINY, *args,
-               "--stuck-worker-after", "160", "--out", str(out)], cwd=workdir, timeout=300)
+    # The worker that loads sample 100 blocks for ever; the main process waits for its batch
+    # in the DataLoader's queue.get(timeout=5), waking every 5 s to look at its workers (each
+    # wake-up took more than the old 0.5-ms threshold on a loaded machine: a move, so the
+    # hang was never caught). Periodic checkpoints are asked for all along: one is
+    # outstanding when the training stops.
+    with both_cores_busy() if load == "loaded" else contextlib.nullcontext():
+        res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
+                   "--hang-timeout", "10s", "--term-timeout", "2s", "--", *TINY, *args,
+                   "--stuck-worker-after", "100", "--out", str(out)], cwd=workdir,
+                  timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     (hang,) = events(ckpt, "hang")
-    assert 5 <= hang["step"] <= 12 and 10 <= hang["seconds"] <= 14, hang
+    assert 10 <= hang["seconds"] <= 20, hang  # within twice the hang timeout
     assert "no step completed for" in res.stderr
     # The stacks: the main thread waiting in the DataLoader, and the worker where it is stuck.
     assert "_try_get_data" in res.stderr and "stuck_in_a_worker" in res.stderr, \

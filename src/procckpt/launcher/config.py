@@ -173,8 +173,9 @@ class RunConfig:
     mtbf: float = _option(DEFAULT_MTBF, "Expected time between failures (node loss, OOM "
                           "kill), for --interval auto.", _duration, "DURATION")
     hang_timeout: float | str | None = _option(
-        AUTO, "Restart the command when no step completes for this long, after printing its "
-        "stacks (auto: max(10m, 50 steps)).",
+        AUTO, "Restart the command when it makes no progress (no step completes, its "
+        "training thread does no work) for this long, after printing its stacks (auto: "
+        "max(10m, 50 steps)).",
         _duration_or_auto(5.0, "the training reports its progress once a second, so a "
                                "shorter one would stop a healthy run"),
         "DURATION|auto|off")

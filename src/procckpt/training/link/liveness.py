@@ -4,13 +4,16 @@ Safe points are not the only sign of progress: a validation pass, data preparati
 ``Checkpointer()`` or the end of an epoch run for minutes without one. A thread samples the
 training thread five times a second: where it is (its Python frames, each code object and
 instruction), how often it has given up the processor of its own accord (its voluntary
-context switches), and how much processor time it has used. A sample counts as a move when
-the stack changed (or the thread slept and woke again) *and* the thread ran for at least
-MOVE_CPU_SECONDS since the sample before: a validation pass or data preparation works, a
-wait does not. A thread stuck in a collective, a lock, a read or a sleep shows the same stack
-and uses no time; so does a wait loop that wakes now and then to look again (the DataLoader's
+context switches), and how much processor time it has used. A sample sees the thread active
+when the stack changed (or the thread slept and woke again) *and* the thread ran for at least
+MOVE_CPU_SECONDS since the sample before; it counts as a move when the sample before saw it
+active too: a validation pass or data preparation works sample after sample, a wait does
+not. A thread stuck in a collective, a lock, a read or a sleep shows the same stack and uses
+no time; a wait loop that wakes now and then to look again (the DataLoader's
 ``queue.get(timeout=5)`` for a batch a stuck worker will never send, ``while not ready:
-sleep(0.1)``): it cycles through the same few frames at a few microseconds a round. One
+sleep(0.1)``) cycles through the same few frames, and each wake-up is one active sample at
+most, however slow the machine makes it (on a loaded node one took more than the CPU
+threshold, and a single active sample used to count: the hang was never caught). One
 spinning on a device that never answers uses time but shows the same stack, and switches only
 when preempted (those are not counted); one that holds the GIL forever keeps the sampler from
 running at all. All of these look stuck.
@@ -169,13 +172,16 @@ class Liveness:
     def _run(self) -> None:
         last, last_cpu = self._where(), cpu_seconds(self._cpu_clock)
         next_beat = 0.0
+        was_active = False
         while not self._stop.wait(SAMPLE_SECONDS):
             here, cpu = self._where(), cpu_seconds(self._cpu_clock)
             if here is None:
                 return  # the training thread ended
             worked = cpu is None or last_cpu is None or cpu - last_cpu >= MOVE_CPU_SECONDS
-            if self._working or (here != last and worked):
+            active = here != last and worked
+            if self._working or (active and was_active):  # one wake-up is no progress
                 self.moves += 1
+            was_active = active
             last, last_cpu = here, cpu
             now = time.monotonic()
             if now >= next_beat:
