@@ -283,3 +283,25 @@ def test_a_rest_that_cannot_be_dealt_out_again_is_refused_with_what_to_do():
         resplit_position({"progress": {"epoch": 0, "batch": 3, "loader": None}}, 2, 3)
     with pytest.raises(UsageError, match="give the DataLoader sampler=DistributedSampler"):
         remainder_batches(torch.utils.data.DataLoader(list(range(8)), batch_size=2), 4)
+
+
+def test_which_loaders_a_resume_reads_again_is_told_from_their_type_alone():
+    from procckpt.training.position.replayed import replayed_on_resume
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(4)
+
+    class StatefulStream(Stream):
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state):
+            pass
+
+    assert replayed_on_resume(DataLoader(list(range(8)), batch_size=2)) is None  # by index
+    assert replayed_on_resume([1, 2, 3]) is None  # a list of batches: nothing worth a word
+    assert "without a state" in replayed_on_resume(DataLoader(Stream(), batch_size=2))
+    assert "without a state" in replayed_on_resume(x for x in range(3))
+    assert "worker processes holds its own copy" in replayed_on_resume(
+        DataLoader(StatefulStream(), batch_size=2, num_workers=2))

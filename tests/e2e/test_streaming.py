@@ -65,6 +65,11 @@ def test_a_stream_without_a_state_is_replayed_with_an_estimate_and_stays_exact(
     slow = ("--stateless", "--read-cost", "0.005")  # 5 ms a sample: seconds of replay
     expected = reference(workdir, *slow)
     out, stderr = interrupted(workdir, *slow)
+    # Told at the start of the first cycle, while the training can still be changed.
+    told = [line for line in stderr.splitlines()
+            if "a resume inside an epoch will read this loader's batches" in line]
+    assert told and stderr.index(told[0]) < stderr.index("resumed at batch"), stderr[-3000:]
+    assert "StatefulDataLoader" in told[0] and "docs/resume.md" in told[0], told[0]
     estimates = [line for line in stderr.splitlines() if "replaying the" in line]
     assert estimates, stderr[-3000:]
     assert "batches/s; to resume without reading them again, give the data set state_dict()" \

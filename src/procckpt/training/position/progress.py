@@ -34,8 +34,9 @@ from typing import Any, TypeVar
 import torch
 
 from ...protocol.events import append_event
-from .loaders import (align_epoch, check_loader, loader_generators, open_at, stateful_source,
-                      swapped, wraps_a_loader)
+from .loaders import (REPLAY_HINT, align_epoch, check_loader, loader_generators, open_at,
+                      stateful_source, swapped, wraps_a_loader)
+from .replayed import replayed_on_resume
 from .resplit import BEFORE, remainder_batches
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .shape import loader_shape, map_position
@@ -96,6 +97,7 @@ class Progress:
         #: Samples of the epoch in progress trained before a resume with another number of
         #: ranks (resplit.py); the rest of the epoch is dealt out without them.
         self.samples_before = 0
+        self._replay_said = False  # whether the first loader's replay on a resume was told
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -233,6 +235,9 @@ class Progress:
             how = ("restored the loader's own state (nothing read again)" if stateful is loader
                    else "restored the data set's own state (nothing read again)")
         else:
+            if not skip and not self._replay_said:
+                self._replay_said = True
+                self._say_replay(loader, shape, journal)
             skip, changed = map_position(saved_shape, shape, skip)
             if changed:
                 logger.warning("%s", changed)
@@ -263,6 +268,21 @@ class Progress:
         if stateful is not None:
             iterator = self._state_trail = _StateTrail(iterator, stateful, skip, self)
         return iterator
+
+    def _say_replay(self, loader: Any, shape: dict[str, Any], journal: Path | None) -> None:
+        """At the first loader of the run, say once if a resume will read it again, and
+        what that costs late in an epoch: the training can still be changed."""
+        why = replayed_on_resume(loader)
+        if why is None:
+            return
+        whole = (f"all {shape['batches']} batches of an epoch" if shape.get("batches")
+                 else "up to a whole epoch of the stream")
+        message = (f"a resume inside an epoch will read this loader's batches before its "
+                   f"position again ({why}): late in an epoch that is {whole}, before the "
+                   f"first step trains; {REPLAY_HINT} (docs/resume.md)")
+        logger.warning("%s", message)
+        if journal is not None:
+            append_event(journal, "warning", step=self.step, message=message)
 
     def open_range(self, total: int) -> range:
         """The step numbers ``steps(total)`` yields: from the saved position, with the saved
