@@ -58,6 +58,10 @@ class Steps(TrainerCallback):
 def main() -> None:
     parser = framework_common.parser()
     parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--save-steps", type=int, default=None,
+                        help="the Trainer's own checkpoints too, every N steps into hf-output")
+    parser.add_argument("--save-total-limit", type=int, default=None,
+                        help="of which the Trainer keeps the newest N")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -67,7 +71,9 @@ def main() -> None:
     model = BertForSequenceClassification(config)
     training = TrainingArguments(
         output_dir="hf-output", per_device_train_batch_size=8, num_train_epochs=args.epochs,
-        learning_rate=1e-3, lr_scheduler_type="linear", save_strategy="no",
+        learning_rate=1e-3, lr_scheduler_type="linear",
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
         logging_strategy="no", report_to=[], seed=0, use_cpu=not args.cuda,
         dataloader_num_workers=args.workers, gradient_accumulation_steps=args.accumulate,
         disable_tqdm=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -243,4 +244,28 @@ def test_accelerate_with_gradient_accumulation_checks_exact_and_resumes_bit_iden
     saved = [e["step"] for e in events(ckpt, "checkpoint")]
     assert saved and all(step % 2 == 0 for step in saved), saved  # never inside a window
     assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
+    assert_bit_identical(expected, out)
+
+
+def test_the_trainers_own_checkpoints_are_kept_as_its_save_total_limit_says(workdir: Path):
+    """save_steps=10, save_total_limit=2 beside procckpt's periodic checkpoints and a stop:
+    the Trainer keeps its two newest (the last one its final save), as without procckpt;
+    procckpt's checkpoints never counted against the limit nor took the user's folders."""
+    needs("transformers")
+    own = ("--save-steps", "10", "--save-total-limit", "2")
+    expected = reference(workdir, "transformers", *own)
+    kept = sorted(p.name for p in (workdir / "hf-output").glob("checkpoint-*"))
+    assert kept == ["checkpoint-50", "checkpoint-60"], kept
+    for folder in (workdir / "hf-output").glob("checkpoint-*"):
+        shutil.rmtree(folder)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    argv = ["--dir", str(ckpt), "--interval", "1s", "--",
+            *command("transformers", *own, "--step-sleep", "0.1", "--out", str(out))]
+    stopped = stopped_once(argv, workdir, lambda: len(events(ckpt, "checkpoint")) >= 2)
+    assert stopped.returncode == 75, stopped.stderr[-4000:]
+    res = run([*procckpt_argv(), "run", *argv], cwd=workdir, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert sorted(p.name for p in (workdir / "hf-output").glob("checkpoint-*")) == kept
+    assert len(events(ckpt, "checkpoint")) >= 3
+    assert not list((ckpt / "checkpoints").glob(".tmp-*"))  # the staging folder is gone
     assert_bit_identical(expected, out)

@@ -17,10 +17,16 @@ the random transforms of the resumed epoch differ from the uninterrupted run's. 
 training loader opens each epoch through procckpt (the order drawn from the epoch's streams,
 the batches trained on passed over without loading them, samples seeded by their index), and
 the Trainer's own skipping is turned off for that loader.
+
+The user's own checkpoints (``save_strategy``, ``save_total_limit``) are left alone: a
+checkpoint only procckpt wants is written by the Trainer into a staging folder of procckpt's,
+with its rotation off, so it never counts against ``save_total_limit``; one that falls on a
+step the user's schedule saves too is copied from the user's folder, which stays.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -47,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 #: The Trainer's checkpoint folder for a step (transformers' PREFIX_CHECKPOINT_DIR).
 _FOLDER = "checkpoint-{}"
+#: Where the Trainer writes a checkpoint only procckpt wants, in the store's checkpoints/
+#: (a .tmp-ckpt- name: never loaded, removed at the next start if left behind).
+_STAGING = ".tmp-ckpt-trainer"
 
 
 class ProcckptCallback(TrainerCallback):
@@ -73,6 +82,10 @@ class ProcckptCallback(TrainerCallback):
         #: The reason of the checkpoint procckpt asked the Trainer to write, until it has.
         self._wanted: str | None = None
         self._written: Path | None = None
+        self._copy = False  # the Trainer's folder is the user's own: copy, do not move
+        #: args.output_dir and save_total_limit while the Trainer writes into procckpt's
+        #: staging folder, to put back in on_save.
+        self._redirected: tuple[Any, Any] | None = None
         _hand_skipping_to_procckpt()
 
     # -- the Trainer's events --------------------------------------------------------------
@@ -109,18 +122,21 @@ class ProcckptCallback(TrainerCallback):
         last_of_epoch = state.epoch is not None and float(state.epoch).is_integer()
         self._loop.batch_done(can_save=not last_of_epoch)
         if self._wanted is not None:
-            control.should_save = True
+            self._save_here(args, control)
 
     def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._loop is not None and state.max_steps and state.global_step >= state.max_steps:
             self._wanted = "end"  # the final checkpoint, with the Trainer's files
-            control.should_save = True
+            self._save_here(args, control)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._wanted is None or self.checkpointer is None:
             return  # a checkpoint of the Trainer's own schedule: left where it wrote it
         reason, self._wanted = self._wanted, None
         self._written = Path(args.output_dir) / _FOLDER.format(state.global_step)
+        if self._redirected is not None:
+            args.output_dir, args.save_total_limit = self._redirected
+            self._redirected = None
         ckpt = self.checkpointer
         try:
             if reason == "end":
@@ -139,6 +155,18 @@ class ProcckptCallback(TrainerCallback):
     def _ask_trainer(self, reason: str) -> None:
         self._wanted = reason
 
+    def _save_here(self, args: Any, control: Any) -> None:
+        """Have the Trainer write the checkpoint procckpt wants at this step: where the
+        user's schedule saves anyway, into the user's folder (copied from, kept); else into
+        procckpt's staging folder, its rotation off (moved from)."""
+        self._copy = bool(control.should_save)  # the user's own save at this step
+        if not self._copy:
+            assert self.checkpointer is not None
+            self._redirected = (args.output_dir, args.save_total_limit)
+            args.output_dir = str(self.checkpointer.store.ckpt_root / _STAGING)
+            args.save_total_limit = None
+        control.should_save = True
+
     def _adopt_trainer_files(self, pending: PendingCheckpoint) -> None:
         """Move the Trainer's checkpoint files into procckpt's (on the rank that commits)."""
         folder = self._written
@@ -151,8 +179,11 @@ class ProcckptCallback(TrainerCallback):
                 raise ProcckptError(
                     f"the Trainer's checkpoint {folder} holds a directory ({path.name}), which "
                     "procckpt does not adopt: use a plain DDP setup")
-            pending.adopt_file(path)
-        folder.rmdir()
+            pending.adopt_file(path, copy=self._copy)
+        if not self._copy:
+            folder.rmdir()
+            with contextlib.suppress(OSError):  # the staging folder, empty now
+                folder.parent.rmdir()
 
 
 def _hand_skipping_to_procckpt() -> None:

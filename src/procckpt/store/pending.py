@@ -121,13 +121,18 @@ class PendingCheckpoint:
         self.chunks[chunk_id] = nbytes
         return True
 
-    def adopt_file(self, source: Path) -> None:
+    def adopt_file(self, source: Path, copy: bool = False) -> None:
         """Move file ``source`` (written and closed by someone else) into the checkpoint,
-        under its own name; copied where it is on another file system."""
+        under its own name; copied where it is on another file system, or with ``copy``
+        (the source stays: it is someone else's)."""
         target = self.tmp / source.name
         _check_name(source.name)
         if target.exists():
             raise StoreError(f"{source.name} is in the checkpoint already")
+        if copy:
+            shutil.copyfile(source, target)
+            self.add_file(source.name)
+            return
         try:
             os.rename(source, target)
         except OSError as e:
