@@ -114,3 +114,23 @@ def test_the_deadline_is_asked_for_early_enough_to_cover_a_validation_pass(workd
     said = res.stderr.count("without a safe point")
     assert said == 1 or said < len(events(ckpt, "cycle")), res.stderr[-4000:]
     assert_bit_identical(expected, out)
+
+
+def test_the_longest_stretch_without_a_safe_point_is_journalled_and_a_new_launch_leads_by_it(
+        workdir: Path):
+    """An 8-s validation at each epoch's end: the checkpoints journal the stretch (the journal
+    held no gap at all before), and the next launch on the dir (a requeued job's launcher
+    starts afresh) asks for its deadline's checkpoint early enough from its first cycle."""
+    train = [*TINY, "--epochs", "6", "--n", "128", "--step-sleep", "0.2",
+             "--validate-seconds", "8"]
+    first = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "30s", "--grace", "3s",
+                 "--max-restarts", "0", "--", *train], cwd=workdir, timeout=300)
+    assert first.returncode == 75, first.stderr[-3000:]
+    gaps = [e.get("gap") for e in events(workdir / "c", "checkpoint")]
+    assert max(g or 0 for g in gaps) >= 7.5, gaps
+    again = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "30s", "--grace", "3s",
+                 "--max-restarts", "0", "--", *train], cwd=workdir, timeout=300)
+    assert again.returncode in (0, 75), again.stderr[-3000:]
+    cycles = events(workdir / "c", "cycle")
+    assert cycles[0]["lead"] == 3.0 and cycles[-1]["lead"] >= 10, cycles
+    assert "without a safe point" in again.stderr, again.stderr[-3000:]

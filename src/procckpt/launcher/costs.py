@@ -32,6 +32,9 @@ class CheckpointCosts:
         self._tail = EventTail(journal)
         self._pauses: deque[float] = deque(maxlen=RECENT)
         self._durable: deque[tuple[float, str]] = deque(maxlen=RECENT)
+        #: The longest stretch between two safe points the training journalled with a
+        #: checkpoint, in any launch on this dir (a validation pass, an epoch's end).
+        self.longest_gap: float | None = None
 
     def update(self) -> bool:
         """Read what the journal gained; True if an estimate may have changed."""
@@ -50,6 +53,10 @@ class CheckpointCosts:
                 durable = _seconds(event, "seconds")
                 if durable is not None:
                     self._durable.append((durable, str(event.get("checkpoint", "?"))))
+                    changed = True
+                gap = _seconds(event, "gap")
+                if gap is not None and gap > (self.longest_gap or 0.0):
+                    self.longest_gap = gap
                     changed = True
         return changed
 

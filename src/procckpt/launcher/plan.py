@@ -54,8 +54,9 @@ class CheckpointPlan:
         """
         costs = self.costs
         self._step_seconds = step_seconds
-        self._gap = gap
-        if not costs.update() and warn_cycle is None and self._planned:
+        changed = costs.update()
+        self._gap = max(gap or 0.0, costs.longest_gap or 0.0) or None
+        if not changed and warn_cycle is None and self._planned:
             return False
         durable = costs.longest_durable
         if warn_cycle is not None:

@@ -149,6 +149,7 @@ class Checkpointer:
             self._saves = Saves(self.store, self._background, self._triggers,
                                 is_writer=self.is_writer, group=group_writes,
                                 frozen=frozen_chunks(self.store, self._statefuls, self.is_writer))
+            self._saves.longest_gap = lambda: self._liveness.longest_gap
 
             if self.is_writer:
                 self.store.open()

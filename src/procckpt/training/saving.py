@@ -96,6 +96,11 @@ class Saves:
         self.last: CheckpointInfo | None = None
         #: The position of the newest checkpoint taken (or being written).
         self.saved_at: Position | None = None
+        #: The longest stretch between two safe points so far (the Checkpointer's liveness
+        #: measures it, under a launcher): journalled with each checkpoint, so that the
+        #: deadline's lead learns it also across launches (a requeued job) and from a
+        #: stretch a stop's request met.
+        self.longest_gap: Callable[[], float] = lambda: 0.0
 
     def write(self, meta: dict[str, Any], payload: dict[str, Any], reason: str,
               position: Position) -> CheckpointInfo:
@@ -221,10 +226,11 @@ class Saves:
             return
         epoch, batch, step = position
         background = {} if stall is None else {"stall": round(stall, 4), "background": True}
+        gap = self.longest_gap()
         append_event(self.store.events_path, "checkpoint", checkpoint=info.name, step=step,
                      epoch=epoch, batch=batch, bytes=info.nbytes, written=info.written,
-                     seconds=round(seconds, 4),
-                     reason=reason, restart=restart, **background)
+                     seconds=round(seconds, 4), reason=reason, restart=restart,
+                     **background, **({"gap": round(gap, 3)} if gap > 0 else {}))
         fresh = "" if info.written == info.nbytes else f" ({info.written / 1e6:.1f} MB new)"
         logger.info("checkpoint %s saved: step %d, epoch %d, %.1f MB%s in %.2fs%s (%s)",
                     info.name, step, epoch, info.nbytes / 1e6, fresh, seconds,

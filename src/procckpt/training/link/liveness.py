@@ -207,6 +207,8 @@ class Liveness:
 class NoLiveness:
     """A script no launcher watches (or a rank other than 0): nothing to sample or tell."""
 
+    longest_gap = 0.0
+
     def start(self) -> None:
         pass
 
