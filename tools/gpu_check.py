@@ -23,6 +23,7 @@ and its time budget, and exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -140,8 +141,13 @@ def run_command(argv: list[str], limit: float, cwd: Path,
             output, _ = proc.communicate(timeout=max(limit, 0.1))
             code: int | None = proc.returncode
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            output, _ = proc.communicate()
+            with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                os.killpg(proc.pid, 9)
+            try:  # bounded: a process of another session may still hold the pipe
+                output, _ = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired as e:
+                output = e.output.decode(errors="replace") if isinstance(
+                    e.output, bytes) else (e.output or "")
             code = None
     return code, output or "", time.monotonic() - started
 
