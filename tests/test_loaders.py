@@ -286,7 +286,7 @@ def test_a_rest_that_cannot_be_dealt_out_again_is_refused_with_what_to_do():
 
 
 def test_which_loaders_a_resume_reads_again_is_told_from_their_type_alone():
-    from procckpt.training.position.replayed import replayed_on_resume
+    from procckpt.training.position.loaders import replayed_on_resume
 
     class Stream(torch.utils.data.IterableDataset):
         def __iter__(self):

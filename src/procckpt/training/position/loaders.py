@@ -21,6 +21,7 @@ instead: produced again and dropped, as for an ``IterableDataset`` or a plain it
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import hashlib
 import itertools
@@ -79,16 +80,12 @@ def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
     The random streams in place when this is called are those the epoch started with; the
     sampler draws its order from them here, as it did in the uninterrupted run.
     """
+    why = replay_reason(loader)
+    if why is not None:
+        iterator = iter(loader)
+        return iterator, _replay(iterator, skip, why)
     if wraps_a_loader(loader):
         return _open_wrapper(loader, skip)
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
-        iterator = iter(loader)
-        why = "an IterableDataset or a plain iterable"
-        if isinstance(loader, DataLoader) and usable_state(loader.dataset):
-            why = ("the IterableDataset has a state_dict(), but each of the DataLoader's worker "
-                   "processes holds its own copy, out of reach: torchdata's StatefulDataLoader "
-                   "gathers them")
-        return iterator, _replay(iterator, skip, why)
     swaps: dict[str, Any] = {}
     if loader.num_workers:
         swaps["dataset"] = SeededSamples(loader.dataset)
@@ -118,6 +115,28 @@ def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
     return iterator, SKIPPED
 
 
+def replay_reason(loader: Iterable[Any]) -> str | None:
+    """Why a resume inside an epoch of a ``loader`` without a state of its own reads its
+    batches again; None where it passes over them by index. Reads its type and fields."""
+    if wraps_a_loader(loader):
+        base = getattr(loader, "base_dataloader", None)
+        if isinstance(base, DataLoader) and not isinstance(base.dataset, IterableDataset):
+            return None
+        return f"{type(loader).__name__} iterates a loader that is no map-style DataLoader"
+    if isinstance(loader, DataLoader) and not isinstance(loader.dataset, IterableDataset):
+        return None
+    if isinstance(loader, DataLoader) and usable_state(loader.dataset):
+        return ("the IterableDataset has a state_dict(), but each of the DataLoader's worker "
+                "processes holds its own copy, out of reach: torchdata's StatefulDataLoader "
+                "gathers them")
+    return "a stream (an IterableDataset or a plain iterable) without a state of its own"
+
+
+def replayed_on_resume(loader: Iterable[Any]) -> str | None:
+    """:func:`replay_reason`, but None for a list of batches: replayed at no cost."""
+    return None if isinstance(loader, collections.abc.Sequence) else replay_reason(loader)
+
+
 def _open_wrapper(loader: Any, skip: int) -> tuple[Iterator[Any], str]:
     """:func:`open_at` for a wrapper that iterates a DataLoader it holds (Accelerate's
     ``DataLoaderShard``), and fetches one batch ahead of the one it hands out.
@@ -128,12 +147,7 @@ def _open_wrapper(loader: Any, skip: int) -> tuple[Iterator[Any], str]:
     their index (in worker processes as elsewhere), and the training's streams never see a
     load: then passing over the sampler's indices is exact, as for a DataLoader.
     """
-    base = getattr(loader, "base_dataloader", None)
-    name = type(loader).__name__
-    if not isinstance(base, DataLoader) or isinstance(base.dataset, IterableDataset):
-        iterator = iter(loader)
-        return iterator, _replay(iterator, skip, f"{name} iterates a loader that is no "
-                                 "map-style DataLoader")
+    base = loader.base_dataloader  # a map-style DataLoader (open_at replays any other)
     swaps: dict[str, Any] = {"dataset": SeededSamples(base.dataset,
                                                        in_process_seed=_epoch_seed(base))}
     reason = ""

@@ -35,8 +35,7 @@ import torch
 
 from ...protocol.events import append_event
 from .loaders import (REPLAY_HINT, align_epoch, check_loader, loader_generators, open_at,
-                      stateful_source, swapped, wraps_a_loader)
-from .replayed import replayed_on_resume
+                      replayed_on_resume, stateful_source, swapped, wraps_a_loader)
 from .resplit import BEFORE, remainder_batches
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .shape import loader_shape, map_position
