@@ -91,9 +91,6 @@ class _TwinEvent:
     def synchronize(self) -> None:
         self._done.wait()
 
-    def query(self) -> bool:
-        return self._done.is_set()
-
 
 class _TwinStream:
     """A side stream's twin: one thread that runs what is queued on it, in order."""
@@ -124,18 +121,12 @@ class _TwinStream:
     def wait_stream(self, other: Any) -> None:
         """Work queued on the training "stream" of a CPU has run already."""
 
-    def wait_event(self, event: _TwinEvent) -> None:
-        self.put(event.synchronize)
-
 
 class _TwinTrainingStream:
     """The training thread itself: waiting for an event blocks it."""
 
     def wait_event(self, event: _TwinEvent) -> None:
         event.synchronize()
-
-    def wait_stream(self, other: Any) -> None:
-        raise NotImplementedError  # nothing here waits for a side stream as a whole
 
 
 class CpuTwin:
