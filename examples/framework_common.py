@@ -12,7 +12,9 @@ from torch.utils.data import Dataset
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
     p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--n", type=int, default=160)
+    p.add_argument("--n", "--samples", dest="n", type=int, default=160,
+                   help="samples in the data set (--samples under torchrun, whose own "
+                        "options --n would abbreviate)")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--hang-at-step", type=int, default=None,
