@@ -83,10 +83,12 @@ def run_check(command: list[str], steps: int, at: int | None, keep: bool = False
                     raise UsageError(f"the command did not stop at step {asked} as asked: it "
                                      f"went on to step {stop_at} (procckpt check --keep "
                                      "keeps its output)")
-                if stop_at != asked:  # no checkpoint at the step asked for (an accumulation)
+                if stop_at != asked:  # no checkpoint at the step asked for
+                    why = ("the framework runs its epoch's end after an epoch's last batch"
+                           if c.epoch_of(stop_at) != c.epoch_of(asked)
+                           else "a gradient accumulation was in progress")
                     waited.append(f"asked to stop at step {asked}, the run could take its "
-                                  f"checkpoint only at step {stop_at} (a gradient "
-                                  "accumulation was in progress)")
+                                  f"checkpoint only at step {stop_at} ({why})")
                 resumed.append((runner.run(name, steps, asked, f"resumed from step "
                                            f"{stop_at}", again=c), stop_at))
             verdict = _verdict(a, b, resumed, steps)
@@ -230,8 +232,11 @@ def _first_difference(x: Run, y: Run, steps: int, ignore: set[str],
             px, py = tx[rank].get(step), ty.get(rank, {}).get(step)
             if px is None or py is None:
                 continue
+            # What the script holds beside its checkpoint is compared where both recorded it
+            # (a run keeps held tensors from its second step on: fingerprints.py).
             parts = sorted(k for k in px.keys() | py.keys()
-                           if px.get(k) != py.get(k) and k not in ignore)
+                           if px.get(k) != py.get(k) and k not in ignore
+                           and not (k.startswith(UNSAVED) and (k not in px or k not in py)))
             if parts:
                 return step, rank, parts
     if not saved:

@@ -63,10 +63,15 @@ class Run:
         return {int(e["step"]): (int(e["epoch"]), int(e["batch"]))
                 for e in self._entries().get(0, []) if e.get("saves", True)}
 
+    def epoch_of(self, step: int) -> int | None:
+        """The epoch rank 0 was in after ``step`` (None if it recorded no such step)."""
+        return next((int(e["epoch"]) for e in self._entries().get(0, [])
+                     if int(e["step"]) == step), None)
+
     def unsaved(self) -> str:
         """What the script holds that no checkpoint does, as rank 0's trace describes it."""
-        return next((str(e["unsaved"]) for e in self._entries().get(0, []) if e.get("unsaved")),
-                    "")
+        entries = self._entries().get(0, [])  # the last step's: held tensors settle at the 2nd
+        return str(entries[-1].get("unsaved", "")) if entries else ""
 
     def warnings(self) -> list[str]:
         """What procckpt warned of in the script's processes, every rank, first ones first."""

@@ -45,6 +45,7 @@ from ..errors import ProcckptError
 from ..store import PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.driven import DrivenLoop, positioned
+from ..training.fingerprints import CheckHook
 from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
@@ -79,8 +80,12 @@ class ProcckptCallback(TrainerCallback):
         self.resume_from: str | None = str(info.path) if info is not None else None
         self.checkpointer: Checkpointer | None = None
         self._loop: DrivenLoop | None = None
+        self._train_loader: Any = None
+        self._objects: dict[str, Any] = {}
         #: The reason of the checkpoint procckpt asked the Trainer to write, until it has.
         self._wanted: str | None = None
+        #: The exit code procckpt check's stop ends the process with, once the Trainer wrote.
+        self._leave_with: int | None = None
         self._written: Path | None = None
         self._copy = False  # the Trainer's folder is the user's own: copy, do not move
         #: args.output_dir and save_total_limit while the Trainer writes into procckpt's
@@ -105,7 +110,10 @@ class ProcckptCallback(TrainerCallback):
         ckpt.store.adopt = self._adopt_trainer_files
         # A checkpoint procckpt wants is written by the Trainer first (see on_save).
         ckpt._checkpoint = self._ask_trainer  # type: ignore[method-assign]
+        ckpt._check.stop_through = self._ask_trainer_then_leave  # and procckpt check's stop
+        ckpt._check.compared = self._trainers_states
         self.checkpointer, self._loop = ckpt, DrivenLoop(ckpt)
+        self._train_loader = train_dataloader
         base = getattr(train_dataloader, "base_dataloader", train_dataloader)
         if not isinstance(base, DataLoader):
             raise ProcckptError(f"the Trainer's training loader is a {type(base).__name__}, "
@@ -119,7 +127,12 @@ class ProcckptCallback(TrainerCallback):
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._loop is None:
             return
-        last_of_epoch = state.epoch is not None and float(state.epoch).is_integer()
+        self._objects = kwargs  # the model, optimizer and scheduler, for procckpt check
+        # The epoch's count is whole after its last batch when the loader has a length; over
+        # a stream (the count is a fraction of max_steps) Accelerate's loader, which fetches
+        # a batch ahead, knows it handed out the last one.
+        last_of_epoch = (state.epoch is not None and float(state.epoch).is_integer()) or \
+            bool(getattr(self._train_loader, "end_of_dataloader", False))
         self._loop.batch_done(can_save=not last_of_epoch)
         if self._wanted is not None:
             self._save_here(args, control)
@@ -141,6 +154,9 @@ class ProcckptCallback(TrainerCallback):
         try:
             if reason == "end":
                 ckpt.save("end")
+            elif self._leave_with is not None:  # procckpt check's stop
+                ckpt.save(reason)
+                CheckHook.leave(ckpt, self._leave_with)
             else:
                 Checkpointer._checkpoint(ckpt, reason)  # writes, answers, may stop
         finally:
@@ -154,6 +170,14 @@ class ProcckptCallback(TrainerCallback):
     # -- internals -------------------------------------------------------------------------
     def _ask_trainer(self, reason: str) -> None:
         self._wanted = reason
+
+    def _trainers_states(self) -> dict[str, Any]:
+        """What the Trainer saves in its own files: procckpt check compares it too."""
+        return {name: obj.state_dict() for name in ("model", "optimizer", "lr_scheduler")
+                if (obj := self._objects.get(name)) is not None}
+
+    def _ask_trainer_then_leave(self, reason: str, code: int) -> None:
+        self._wanted, self._leave_with = reason, code
 
     def _save_here(self, args: Any, control: Any) -> None:
         """Have the Trainer write the checkpoint procckpt wants at this step: where the

@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from ..protocol.control import CHECK_UNSAVED as UNSAVED
 from ..protocol.control import ENV_CHECK, keep_unsaved_advice
 from ..store.checksum import crc32
-from .unsaved import describe_unsaved, unsaved_statefuls
+from .unsaved import HeldTensors, describe_unsaved, unsaved_statefuls
 
 __all__ = ["ENV_CHECK", "CheckHook", "NoCheck", "check_hook", "fingerprints"]
 
@@ -84,6 +85,9 @@ class NoCheck:
 
     #: A framework drives the loops and saves its own objects (training/driven.py).
     driven = False
+    #: How a framework that writes its own files takes the check's stop (see CheckHook).
+    stop_through: Callable[[str, int], None] | None = None
+    compared: Callable[[], dict[str, Any]] | None = None
 
     def __init__(self) -> None:
         self._looked = False
@@ -122,7 +126,15 @@ class CheckHook:
         #: What the script holds beside its checkpoint (found at the first safe point): its
         #: state is recorded as ``unsaved.NAME`` and compared like the rest.
         self._unsaved: dict[str, tuple[Any, str]] | None = None
+        self._unconfirmed: list[str] = []  # held tensors found, not yet seen changing again
         self.driven = False  # see NoCheck.driven
+        #: Set by a framework whose checkpoint holds files it writes itself (the Trainer's):
+        #: called with the stop's reason and exit code, it has the framework write them, then
+        #: saves and ends the process with that code.
+        self.stop_through: Callable[[str, int], None] | None = None
+        #: Set by a framework that saves its model and optimizers in files of its own (the
+        #: Trainer's): their states, compared with the rest as ``framework.NAME``.
+        self.compared: Callable[[], dict[str, Any]] | None = None
 
     def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True,
                       defer: bool = False) -> None:
@@ -142,7 +154,17 @@ class CheckHook:
         if self._unsaved is None:
             self._unsaved = {} if self.driven else unsaved_statefuls(
                 ck._statefuls, sys._getframe(1), ck.extras)
+            self._unconfirmed = [name for name, (obj, _) in self._unsaved.items()
+                                 if isinstance(obj, HeldTensors)]
+        elif self._unconfirmed:  # the second step: held tensors are state if changed again
+            for name in self._unconfirmed:
+                if not self._unsaved[name][0].changed_since_found():
+                    del self._unsaved[name]
+            self._unconfirmed = []
         parts = fingerprints(ck._payload())
+        if self.compared is not None:
+            parts.update({f"framework.{name}": _crc(value)
+                          for name, value in self.compared().items()})
         parts.update({f"{UNSAVED}{name}": _crc(obj.state_dict())
                       for name, (obj, _) in self._unsaved.items()})
         line = {"step": step, "epoch": ck.epoch, "batch": ck.batch, "parts": parts,
@@ -159,14 +181,18 @@ class CheckHook:
         # for the epoch's end).
         if self.stop_at is not None and step >= self.stop_at and ck.resumed_from is None \
                 and stops:
+            if self.stop_through is not None:
+                self.stop_through(STOP_REASON, ck._context.stop_exit_code)
+                return
             ck.save(STOP_REASON)
-            self._leave(ck, ck._context.stop_exit_code)
+            self.leave(ck, ck._context.stop_exit_code)
         elif step >= self.end:
             ck.save(END_REASON)
-            self._leave(ck, 0)
+            self.leave(ck, 0)
 
     @staticmethod
-    def _leave(ck: Any, code: int) -> None:
+    def leave(ck: Any, code: int) -> None:
+        """End the process with ``code`` after the check's checkpoint."""
         ck._exiting = True
         ck.close()
         raise SystemExit(code)

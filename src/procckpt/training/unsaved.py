@@ -15,8 +15,9 @@ and data loaders and data sets (their position is procckpt's business) are left 
 State kept as plain tensors counts too (an EMA as ``[p.detach().clone() for p in
 model.parameters()]``, updated in place; a running sum): a tensor, or a list, tuple or dict of
 them, that none of the statefuls or ``ckpt.extras`` holds and that training changed in place
-(its version counter moved) by the first safe point. Tensors made once and never changed
-(the data) are left out.
+(its version counter moved) by the first safe point and again by the next one. Tensors made
+once and never changed (the data), and a loop's variable bound to new ones every step (a
+batch, which the collate wrote in place), are left out.
 """
 
 from __future__ import annotations
@@ -41,7 +42,16 @@ class HeldTensors:
     def __init__(self, obj: Any, tensors: dict[str, torch.Tensor]) -> None:
         self.obj = obj
         self.ids = {id(t) for t in tensors.values()}  # the script's own tensor objects
-        self.tensors = {k: t.detach() for k, t in tensors.items()}
+        self.tensors = {k: t.detach() for k, t in tensors.items()}  # sharing the versions
+        self._versions = self._now()
+
+    def changed_since_found(self) -> bool:
+        """Whether training changed them in place since they were found: tensors a loop's
+        variable held for one step (a batch's, written in place by the collate) did not."""
+        return self._now() != self._versions
+
+    def _now(self) -> list[int]:
+        return [_version(t) for t in self.tensors.values()]
 
     @property
     def kind(self) -> str:
@@ -109,11 +119,15 @@ def describe_unsaved(found: Mapping[str, tuple[Any, str]]) -> str:
                      for name, (obj, where) in found.items())
 
 
-def _changed_in_place(t: torch.Tensor) -> bool:
+def _version(t: torch.Tensor) -> int:
     try:
-        return t._version > 0
+        return t._version
     except RuntimeError:  # an inference tensor has no version counter (nor training state)
-        return False
+        return 0
+
+
+def _changed_in_place(t: torch.Tensor) -> bool:
+    return _version(t) > 0
 
 
 def _kind(obj: Any) -> str:
