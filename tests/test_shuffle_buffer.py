@@ -214,3 +214,45 @@ def test_a_resume_opened_before_the_script_sets_the_epoch_goes_on_in_the_saved_o
     second.load_state_dict(state)
     got += [ids(b) for b in second]
     assert got == expected
+
+
+class Shard(Counting):
+    """Counting with a Hugging Face stream's way of saying where it is: a pass that read to
+    the end says it is past its shard; one resumed at that end, reading nothing, says it is at
+    the end of the shard. Two states for one position."""
+
+    def __iter__(self):
+        resumed_at_end = self.start == self.n
+        yield from super().__iter__()
+        if not resumed_at_end:
+            self.done = ("past", self.n)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.start = self.n if isinstance(state["done"], tuple) else state["done"]
+
+
+def test_once_the_source_ran_out_the_state_is_the_same_however_the_run_got_there():
+    """After the source ended, the buffer still drains; a state taken then holds no source
+    state, so a resumed run and an uninterrupted one save the same (procckpt check compares
+    them), and a resume from it never reads the source again."""
+    def drained(data: ShuffleBuffer, n: int) -> tuple[list[int], dict[str, Any]]:
+        it = iter(data)
+        return [next(it) for _ in range(n)], data.state_dict()
+
+    a = ShuffleBuffer(Shard(12), size=4, seed=1)
+    whole, _ = drained(a, 12)
+    # Stopped where the source has just run out, resumed, and both go on to the same point.
+    first, state = drained(ShuffleBuffer(Shard(12), size=4, seed=1), 9)
+    assert state["source"] is None  # 12 read, 9 handed out, 3 in the buffer
+    b = ShuffleBuffer(Shard(12), size=4, seed=1)
+    b.load_state_dict(state)
+    rest, resumed_state = drained(b, 2)
+    a2 = ShuffleBuffer(Shard(12), size=4, seed=1)
+    _, straight_state = drained(a2, 11)
+    assert first + rest == whole[:11]
+    assert resumed_state["source"] is None and straight_state["source"] is None
+    assert torch.equal(resumed_state["rng"], straight_state["rng"])
+    assert resumed_state["buffer"] == straight_state["buffer"]

@@ -109,3 +109,32 @@ def test_a_stream_through_a_framework_resumes_bit_identical(workdir: Path, frame
     steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
     assert len({line.split()[1] for line in steps}) == 200, steps[-3:]  # 2 epochs of 100
     assert_bit_identical(expected, out)
+
+
+@pytest.mark.parametrize("script", ["plain", "accelerate", "lightning", "trainer"])
+def test_a_stop_at_a_streams_last_batch_resumes_exactly(workdir: Path, script: str):
+    """A stream has no length: its epoch's last batch is known only when the next fetch finds
+    nothing. 2 files of 40 samples, batches of 8: step 10 is epoch 0's last. A stop asked
+    for there must leave the resumed run in epoch 1 with the uninterrupted run's order,
+    random streams and loader state (it crashed the Trainer: 'Batch does not contain any
+    data'; Accelerate's resumed run read a third pass as epoch 0's end)."""
+    module = {"trainer": "transformers", "plain": "torchdata"}.get(script, script)
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    program = [str(SCRIPT)] if script == "plain" else [str(FRAMEWORKS), "--framework", script]
+    done = run([*procckpt_argv(), "check", "--steps", "13", "--at", "10", "--", PYTHON,
+                *program, "--files", "2", "--rows", "40", "--data", "data"],
+               cwd=workdir, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: "), done.stdout
+    if script in ("lightning", "trainer"):  # the framework's epoch end comes first
+        assert "asked to stop at step 10, the run could take its checkpoint only at step 11 " \
+               "(the framework runs its epoch's end after an epoch's last batch)" \
+               in done.stdout, done.stdout
+    else:  # at the epoch's end, after the loop over the batches
+        assert "stopped at the end of an epoch at step 10" in done.stdout, done.stdout
+    if script == "trainer":  # the model and optimizer in the Trainer's own files too
+        assert "framework.model, framework.optimizer" in done.stdout, done.stdout
+    else:  # the loader's state is restored, and the first run says no replay
+        assert "loader_state" in done.stdout and "a run warned" not in done.stdout, \
+            done.stdout

@@ -74,7 +74,7 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
         ck._in_batch = False
         progress.batch_done()
         if window is None or window():
-            ck._safe_point(defer=progress.batch == last)
+            ck._safe_point(defer=progress.batch == last or _handed_out_its_last(loader))
         else:  # inside a gradient accumulation: its summed gradients are in no checkpoint
             ck._check.at_safe_point(ck, False, saves=False)  # under procckpt check only
     progress.end_pass()
@@ -83,11 +83,18 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
 def last_batch(progress: Any) -> int | None:
     """The number of an epoch's last batch, where ``epochs()`` follows with the epoch's
     closing code and its own safe point; None where it cannot be known ahead (a loader
-    without a length, a pass resharded for another world size) or no epoch closes."""
+    without a length, a pass resharded for another world size: then only a loader that
+    fetches ahead tells, see _handed_out_its_last) or no epoch closes."""
     shape = progress.loader_shape or {}
     if not progress.in_epochs or progress.samples_before or shape.get("batches") is None:
         return None
     return int(shape["batches"])
+
+
+def _handed_out_its_last(loader: Any) -> bool:
+    """Whether a loader without a length knows the batch it handed out was its pass's last:
+    Accelerate's, which fetches a batch ahead, does (``end_of_dataloader``)."""
+    return getattr(loader, "end_of_dataloader", False) is True
 
 
 def steps(ck: Any, total: int) -> Iterator[int]:

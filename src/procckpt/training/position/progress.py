@@ -221,7 +221,17 @@ class Progress:
         shape, saved_shape, self._resume_shape = loader_shape(loader), self._resume_shape, None
         self.loader_shape = shape
         started = time.monotonic()
-        if stateful is not None and self._resume_loader_state is not None:
+        # A loader's state saved after its pass ran out (one that fetches ahead knows at its
+        # last batch) opens no pass of its own: a fresh one follows, as in the uninterrupted
+        # run, its workers' seed drawn from the streams (torchdata would keep the old one) and
+        # its data set copied as it is now (an iterator opened before the loop, as
+        # Accelerate's prepare() opens one, holds the copy of epoch 0): the state is dropped.
+        finished = stateful is not None and _pass_finished(self._resume_loader_state)
+        if finished:
+            stateful.load_state_dict({})
+        if finished and skip:  # resumed after the pass's last batch: the epoch has no more
+            iterator, how = iter(()), "the saved position was the end of the loader's pass"
+        elif stateful is not None and self._resume_loader_state is not None and not finished:
             stateful.load_state_dict(self._resume_loader_state)
             iterator = iter(loader)
             if wraps_a_loader(loader) and inspect.isgenerator(iterator):
@@ -234,7 +244,7 @@ class Progress:
             how = ("restored the loader's own state (nothing read again)" if stateful is loader
                    else "restored the data set's own state (nothing read again)")
         else:
-            if not skip and not self._replay_said:
+            if not skip and not self._replay_said and stateful is None:
                 self._replay_said = True
                 self._say_replay(loader, shape, journal)
             skip, changed = map_position(saved_shape, shape, skip)
@@ -400,3 +410,8 @@ class _StateTrail:
         if trained in self._after:
             return self._after[trained]
         return self._stateful.state_dict()
+
+
+def _pass_finished(state: Any) -> bool:
+    """Whether a loader's saved state (torchdata's, Accelerate's) says its pass ran out."""
+    return isinstance(state, dict) and state.get("_iterator_finished") is True

@@ -58,6 +58,11 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         #: The loaded source state, until the source hands out its first sample since: a
         #: stream (Hugging Face's) takes a loaded state only when it begins reading.
         self._source_loaded: Any = None
+        #: Whether the source ran out in this iteration: then the state holds no source
+        #: state (None), the same however the run got there (a stream resumed at its end
+        #: says it is at the end of its shard, one that read on says it is past it), and a
+        #: resumed iteration only empties the buffer.
+        self._source_ended = False
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -71,9 +76,11 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
             self._buffer = list(restored["buffer"])
             generator.set_state(restored["rng"])
             self._source_loaded = restored["source"]
+            self._source_ended = restored["source"] is None
         else:
             self._buffer = []
             self._source_loaded = None
+            self._source_ended = False
             generator.manual_seed(_seed(self.seed, self.epoch, _worker_id()))
         self._generator = generator
         return self._shuffled(self._buffer, generator)
@@ -81,7 +88,7 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
     def _shuffled(self, buffer: list[Any], generator: torch.Generator) -> Iterator[Any]:
         # The state is read between two samples handed out, when ``buffer`` holds what the
         # next ones are drawn from and the source is just past what went into it.
-        for sample in self.source:
+        for sample in () if self._source_ended else self.source:
             self._source_loaded = None
             if len(buffer) < self.size:
                 buffer.append(sample)
@@ -89,6 +96,7 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
             i = int(torch.randint(self.size, (1,), generator=generator))
             out, buffer[i] = buffer[i], sample
             yield out
+        self._source_ended = True
         while buffer:  # the stream ended: hand out the rest in a random order
             i = int(torch.randint(len(buffer), (1,), generator=generator))
             buffer[i], buffer[-1] = buffer[-1], buffer[i]
@@ -106,7 +114,8 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
                 "its position cannot be saved, so a resume reads it again from the start")
         generator = self._generator or torch.Generator().manual_seed(
             _seed(self.seed, self.epoch, _worker_id()))
-        source = self._source_loaded if self._source_loaded is not None else save()
+        source = None if self._source_ended else \
+            self._source_loaded if self._source_loaded is not None else save()
         return {"kind": _KIND, "size": self.size, "seed": self.seed, "epoch": self.epoch,
                 "source": source, "buffer": list(self._buffer), "rng": generator.get_state()}
 
@@ -123,7 +132,8 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         # The epoch first: a loader may be opened (its workers given a copy of this data set)
         # before the script's set_epoch() for that epoch (Lightning's is in a hook after).
         self.set_epoch(state["epoch"])
-        self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
+        if state["source"] is not None:
+            self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
         self._restored = state
 
 
