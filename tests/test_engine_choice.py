@@ -175,3 +175,31 @@ def test_existing_checkpoints_decide_so_a_run_never_switches_engines(tmp_path, s
     commit(store, "hooks")
     plain = choose(store, ["python", "-c", "pass"], tmp_path)
     assert plain.name == "hooks" and plain.reason == "the checkpoint dir holds hooks checkpoints"
+
+
+def fake_launch(tmp_path: Path, crashes: int) -> DmtcpTools:
+    """A dmtcp_launch stand-in whose first ``crashes`` launches end as a crashed child does
+    under DMTCP (exit 1, the traceback's last line), then run the program: the crash is the
+    seam, rare and not reproducible with the real DMTCP on demand."""
+    count = tmp_path / "launches"
+    launch = write_script(tmp_path, "dmtcp_launch", f"""#!/bin/sh
+n=$(cat {count} 2>/dev/null || echo 0); echo $((n + 1)) > {count}
+if [ "$n" -lt {crashes} ]; then echo "died with <Signals.SIGSEGV: 11>." >&2; exit 1; fi
+while [ "$1" != "-q" ]; do shift; done; shift 2; exec "$@"
+""")
+    launch.chmod(0o755)
+    return DmtcpTools(str(launch), "/x/dmtcp_restart", "/x/dmtcp_command", "/x/coordinator")
+
+
+def test_one_crashed_test_launch_is_tried_again_and_two_keep_auto_on_hooks(tmp_path, caplog):
+    from procckpt.launcher.engines.choice import probe_dmtcp
+
+    once = tmp_path / "once"
+    with caplog.at_level(logging.WARNING, logger="procckpt"):
+        assert probe_dmtcp(fake_launch(once, crashes=1)) is None
+    assert "failed (exit 1: died with <Signals.SIGSEGV: 11>.); a second one passed: DMTCP " \
+           "is used" in caplog.text
+    twice = tmp_path / "twice"
+    assert probe_dmtcp(fake_launch(twice, crashes=2)) == \
+        "a test launch under dmtcp_launch failed (exit 1: died with <Signals.SIGSEGV: 11>.)"
+    assert (twice / "launches").read_text().strip() == "2"
