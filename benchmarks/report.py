@@ -47,6 +47,8 @@ BENCHMARKS = (
     Benchmark("resume_cost", "A resume early and late in an epoch",
               ("--repeats", "7", "--late", "5000"),
               ("--repeats", "1", "--late", "50", "--loaders", "plain")),
+    Benchmark("stream_rate", "The streaming recipe's batches per second, beside a plain DataLoader",
+              ("--batches", "400", "--repeats", "5"), ("--batches", "30", "--repeats", "1")),
     Benchmark("group_checkpoint", "Process groups: 2 gloo ranks, DDP",
               ("--size", "1GiB", "--repeats", "5"), ("--size", "8MiB", "--repeats", "1")),
     Benchmark("group_checkpoint", "Process groups: 2 gloo ranks, FSDP2 through DCP",

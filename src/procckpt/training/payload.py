@@ -162,6 +162,11 @@ def _checked(value: dict[str, Any], what: str) -> dict[str, Any]:
     def check(value: Any, where: str) -> None:
         if value is None or isinstance(value, (bool, int, float, str, torch.Tensor)):
             return
+        if isinstance(value, bytes):  # torch.save writes b"" as a call weights_only refuses
+            if value:
+                return
+            raise ProcckptError(f"{what}{where} is an empty bytes, which a weights_only load "
+                                "cannot read back: use None for no bytes")
         if isinstance(value, (list, tuple)):
             for i, v in enumerate(value):
                 check(v, f"{where}[{i}]")
@@ -174,7 +179,8 @@ def _checked(value: dict[str, Any], what: str) -> dict[str, Any]:
             return
         raise ProcckptError(
             f"{what}{where} is a {type(value).__name__}; checkpoints hold only tensors, "
-            "numbers, strings, None, lists and dicts (so that they load with weights_only=True)"
+            "numbers, strings, bytes, None, lists and dicts (so that they load with "
+            "weights_only=True)"
         )
 
     check(value, "")

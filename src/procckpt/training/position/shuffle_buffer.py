@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ...errors import ProcckptError
+from .packed import Packed, is_packed, pack, pack_all, unpack_all
 
 __all__ = ["ShuffleBuffer"]
 
@@ -41,8 +42,9 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
     Face streaming data set, a sharded reader of your own); ``set_epoch()`` is passed on to it.
     Each epoch, and each DataLoader worker, draws its own order from ``seed``. With worker
     processes, load it with torchdata's ``StatefulDataLoader``, which collects each worker's
-    state. The buffer travels with every state the workers report (each batch, by default):
-    with a large buffer of large samples, raise ``snapshot_every_n_steps``.
+    state. The buffer travels with every state the workers report (each batch, by default),
+    packed into one ``bytes`` (packed.py): with a buffer of large samples (hundreds of MB a
+    worker), raise ``snapshot_every_n_steps``.
     """
 
     def __init__(self, source: Iterable[Any], size: int, seed: int = 0) -> None:
@@ -52,6 +54,7 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         self.epoch = 0
         #: The buffer and random stream of the iteration in progress (what state_dict saves).
         self._buffer: list[Any] = []
+        self._packed: list[Packed] = []  # the same samples, packed for the state
         self._generator: torch.Generator | None = None
         #: A loaded state, taken by the next iteration.
         self._restored: dict[str, Any] | None = None
@@ -73,33 +76,43 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         restored, self._restored = self._restored, None
         generator = torch.Generator()
         if restored is not None:
-            self._buffer = list(restored["buffer"])
-            generator.set_state(restored["rng"])
+            held = restored["buffer"]
+            if is_packed(held):
+                pairs = unpack_all(held)
+                self._buffer, self._packed = [s for s, _ in pairs], [p for _, p in pairs]
+            else:  # a checkpoint of procckpt 0.x before the buffer was packed
+                self._buffer, self._packed = list(held), [pack(s) for s in held]
+            generator.set_state(_rng_tensor(restored["rng"]))
             self._source_loaded = restored["source"]
             self._source_ended = restored["source"] is None
         else:
-            self._buffer = []
+            self._buffer, self._packed = [], []
             self._source_loaded = None
             self._source_ended = False
             generator.manual_seed(_seed(self.seed, self.epoch, _worker_id()))
         self._generator = generator
-        return self._shuffled(self._buffer, generator)
+        return self._shuffled(self._buffer, self._packed, generator)
 
-    def _shuffled(self, buffer: list[Any], generator: torch.Generator) -> Iterator[Any]:
+    def _shuffled(self, buffer: list[Any], packed: list[Packed],
+                  generator: torch.Generator) -> Iterator[Any]:
         # The state is read between two samples handed out, when ``buffer`` holds what the
-        # next ones are drawn from and the source is just past what went into it.
+        # next ones are drawn from and the source is just past what went into it. ``packed``
+        # holds the same samples packed (packed.py), each once, as it came in.
         for sample in () if self._source_ended else self.source:
             self._source_loaded = None
             if len(buffer) < self.size:
                 buffer.append(sample)
+                packed.append(pack(sample))
                 continue
             i = int(torch.randint(self.size, (1,), generator=generator))
-            out, buffer[i] = buffer[i], sample
+            out, buffer[i], packed[i] = buffer[i], sample, pack(sample)
             yield out
         self._source_ended = True
         while buffer:  # the stream ended: hand out the rest in a random order
             i = int(torch.randint(len(buffer), (1,), generator=generator))
             buffer[i], buffer[-1] = buffer[-1], buffer[i]
+            packed[i], packed[-1] = packed[-1], packed[i]
+            packed.pop()
             yield buffer.pop()
 
     def state_dict(self) -> dict[str, Any]:
@@ -117,7 +130,8 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         source = None if self._source_ended else \
             self._source_loaded if self._source_loaded is not None else save()
         return {"kind": _KIND, "size": self.size, "seed": self.seed, "epoch": self.epoch,
-                "source": source, "buffer": list(self._buffer), "rng": generator.get_state()}
+                "source": source, "buffer": pack_all(self._packed),
+                "rng": generator.get_state().numpy().tobytes()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` at the next iteration."""
@@ -135,6 +149,13 @@ class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
         if state["source"] is not None:
             self.source.load_state_dict(state["source"])  # type: ignore[attr-defined]
         self._restored = state
+
+
+def _rng_tensor(saved: Any) -> torch.Tensor:
+    """The generator state saved as bytes (a tensor in a checkpoint of procckpt 0.x)."""
+    if isinstance(saved, torch.Tensor):
+        return saved
+    return torch.frombuffer(bytearray(saved), dtype=torch.uint8)
 
 
 def _worker_id() -> int:
