@@ -251,6 +251,43 @@ def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(sm
                    for line in status.stdout.splitlines()), status.stdout
 
 
+@pytest.mark.parametrize("left", [0, 48 << 10], ids=["full", "room-for-requests-only"])
+def test_a_full_disk_ends_the_run_at_its_first_failed_background_checkpoint(small_tmpfs,
+                                                                            left: int):
+    """No time limit, periodic checkpoints written in the background: the first one that
+    finds no space ends the run with 74 and one line, as a synchronous one does. It trained on
+    to its end before (hours of steps whose checkpoints all failed), then ended with 74. With
+    the disk quite full the launcher cannot even ask for a checkpoint, and stops the command:
+    its stop's checkpoint fails the same way."""
+    ckpt = small_tmpfs / "ckpt"
+    proc = subprocess.Popen(
+        [*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s", "--", *TINY,
+         "--epochs", "200", "--step-sleep", "0.1"],  # 1,600 steps: 160 s and more
+        cwd=small_tmpfs.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 90
+        while not any(e["event"] == "checkpoint" for e in events(ckpt)):
+            assert proc.poll() is None and time.monotonic() < deadline, "no first checkpoint"
+            time.sleep(0.1)
+        fill(small_tmpfs, leave=left)
+        filled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        ended = time.monotonic() - filled
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 74, stderr[-3000:]
+    assert ended < 45, f"ended {ended:.0f}s after the disk filled up"
+    steps = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step ")]
+    assert steps and steps[-1] < 1000, steps[-1:]
+    assert stderr.count("no space left") == 1, stderr[-3000:]  # said once
+    assert f"error: no space left in {ckpt}: need " in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and "is not restarted" in stderr, stderr[-3000:]
+    asked = "could not write the checkpoint request" in stderr
+    assert asked == (left == 0), stderr[-3000:]
+
+
 @needs_setpriv
 def test_a_dir_of_another_user_is_one_line(workdir: Path):
     theirs = workdir / "theirs"

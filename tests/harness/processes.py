@@ -111,8 +111,9 @@ def one_error_line(result: subprocess.CompletedProcess[str], code: int, *needles
     return errors[0]
 
 
-def fill(directory: Path) -> None:
-    """Write zeros into ``directory`` until its file system is full."""
+def fill(directory: Path, leave: int = 0) -> None:
+    """Write zeros into ``directory`` until its file system is full, then give ``leave``
+    bytes back."""
     fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
     try:
         while True:
@@ -120,4 +121,6 @@ def fill(directory: Path) -> None:
     except OSError:
         pass
     finally:
+        if leave:
+            os.ftruncate(fd, max(0, os.fstat(fd).st_size - leave))
         os.close(fd)

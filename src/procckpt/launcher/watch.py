@@ -340,6 +340,11 @@ class CycleWatch:
             logger.warning("%s%s", e, "; sending SIGTERM instead" if action == "stop" else "")
             if action == "stop":
                 self.child.signal(signal.SIGTERM)
+            elif e.lasting and self.stop is None:
+                # No checkpoint can be written there either: training on would be lost. The
+                # stop's own checkpoint fails too, and ends the run with its one line.
+                self._begin_stop("the checkpoint dir's file system takes no more writes",
+                                 self.clock())
             return e.seq
 
     def _stop_child(self) -> int:

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from ..errors import ProcckptError, StorageError, logged_exit
 from ..log import setup_logging
@@ -332,6 +332,7 @@ class Checkpointer:
         now = time.monotonic()
         self._saves.reserve_ahead(self._payload, self._member)  # once, after the first step
         triggers.poll(now)
+        self._end_if_storage_failed()
         self._liveness.at_safe_point(self.step, now)  # the gap since the last one, measured
         self._timer.at_safe_point(now)
         try:
@@ -358,6 +359,23 @@ class Checkpointer:
         with self._liveness.working():  # procckpt's own work is no hang of the training
             self._checkpoint(reason)
 
+    def _end_if_storage_failed(self) -> None:
+        """A background checkpoint failed for a reason that will repeat (no space left, no
+        permission): end the run now, as a synchronous one does, not after hours of training
+        whose checkpoints would fail too."""
+        background = self._background
+        if background is None or (error := background.lasting_failure) is None:
+            return
+        background.wait(raise_failure=False)
+        self._storage_failed(error)
+
+    def _storage_failed(self, error: StorageError) -> NoReturn:
+        # Trying again would fail again: say so, stop, and let the launcher not restart.
+        self._triggers.answer(None, self.step, stopping=True, error=str(error))
+        self._exiting = True
+        self.close()
+        raise logged_exit(error, logger) from error.__cause__
+
     def _checkpoint(self, reason: str) -> None:
         triggers = self._triggers
         if triggers.stop_reason is None and self._saves.in_background(
@@ -366,11 +384,7 @@ class Checkpointer:
         try:
             info = self._save(reason)
         except StorageError as e:
-            # Trying again would fail again: say so, stop, and let the launcher not restart.
-            self._triggers.answer(None, self.step, stopping=True, error=str(e))
-            self._exiting = True
-            self.close()
-            raise logged_exit(e, logger) from e.__cause__
+            self._storage_failed(e)
         self._saves.answer(info, self.step, stopping=triggers.stop_reason is not None)
         if triggers.stop_reason is not None:
             self._exit_after_stop()

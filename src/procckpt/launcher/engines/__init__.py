@@ -20,9 +20,11 @@ class RequestUndelivered(Exception):
     """A checkpoint request could not be passed on (the control file could not be written);
     ``seq`` is the number it would have had."""
 
-    def __init__(self, seq: int, message: str) -> None:
+    def __init__(self, seq: int, message: str, lasting: bool = False) -> None:
         super().__init__(message)
         self.seq = seq
+        #: The cause will repeat (no space left, a quota, a read-only file system).
+        self.lasting = lasting
 
 
 @dataclass(frozen=True)

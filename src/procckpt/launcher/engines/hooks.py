@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel, Heartbeat
@@ -9,6 +10,9 @@ from ...store import CheckpointStore
 from . import Confirmation, Engine, RequestUndelivered
 
 __all__ = ["HooksEngine"]
+
+#: Write errors that will repeat: the checkpoint dir's disk can take no checkpoint either.
+_LASTING = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class HooksEngine(Engine):
@@ -34,7 +38,8 @@ class HooksEngine(Engine):
             self._channel.send(self._seq, action, reason)
         except OSError as e:
             raise RequestUndelivered(self._seq, f"could not write the checkpoint request into "
-                                     f"{self._channel.dir} ({e.strerror or e})") from e
+                                     f"{self._channel.dir} ({e.strerror or e})",
+                                     lasting=e.errno in _LASTING) from e
         return self._seq
 
     def confirmation(self, seq: int) -> Confirmation | None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ProcckptError
+from ...errors import ProcckptError, StorageError
 from ...protocol.switches import ASYNC
 from ...store import CheckpointInfo, CheckpointStore
 from .arena import HostArena, NotSnapshottable, Snapshot
@@ -117,6 +117,13 @@ class BackgroundSaver:
                     f"checkpoint in {self.store.root} is intact. Set {ENV_ASYNC}=0 to write "
                     "checkpoints synchronously"
                 ) from error
+
+    @property
+    def lasting_failure(self) -> StorageError | None:
+        """The last write's failure if it will repeat (no space, no permission): training on
+        would only make checkpoints that fail again (see Checkpointer._safe_point)."""
+        error = self._error
+        return error if isinstance(error, StorageError) else None
 
     def reserve(self, payload: Any) -> None:
         """Allocate the arena for ``payload`` on a thread of its own, while training goes on,
@@ -249,8 +256,9 @@ class BackgroundSaver:
                 plan.failed()
             self._error = e
             snapshot.payload = None
-            logger.error("writing a checkpoint in the background failed: %s; the previous "
-                         "checkpoint stays the one to resume from", e)
+            if not isinstance(e, StorageError):  # a lasting one ends the run, said there
+                logger.error("writing a checkpoint in the background failed: %s; the "
+                             "previous checkpoint stays the one to resume from", e)
             with contextlib.suppress(Exception):
                 on_failed(e)
             return
