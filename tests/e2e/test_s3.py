@@ -307,3 +307,39 @@ def test_a_server_that_is_not_there_ends_the_run_in_one_line(workdir: Path):
     assert "Traceback" not in down.stderr, down.stderr[-3000:]
     errors = [line for line in down.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "Could not connect to the endpoint URL" in errors[0], errors
+
+
+def test_a_bucket_root_with_foreign_keys_under_chunks_is_pruned_around_them(workdir: Path,
+                                                                           endpoint,
+                                                                           monkeypatch):
+    """``--dir s3://BUCKET``: the prefix is the bucket's root, whose chunks/ may hold the
+    user's own keys. Pruning after a checkpoint crashed on a key of another shape
+    (IndexError) and deleted foreign keys of the usual depth; it now collects only the
+    objects procckpt names, stale ones included, and leaves every other key as it was."""
+    import torch
+
+    from procckpt.store import CheckpointStore
+    from procckpt.training.io.writer import write_checkpoint
+
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    root = "procckpt-root"
+    bucket(endpoint, root)
+    s3 = client(endpoint)
+    stale = "chunks/blake2b/ab/ab" + "0" * 62  # procckpt's shape, listed by no manifest
+    foreign = ["chunks/README.txt", "chunks/blake3/00/notes", "chunks/mine/ab/ab12",
+               "chunks/blake2b/cd/ab" + "1" * 62, "data/train.jsonl"]
+    for key in (stale, *foreign):
+        s3.put_object(Bucket=root, Key=key, Body=b"the user's")
+    store = CheckpointStore(workdir / "local", keep=1, remote=f"s3://{root}").open()
+    for step in (1, 2, 3):
+        write_checkpoint(store, {"step": step}, {"w": torch.full((4,), float(step))})
+        store.prune()
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=root)
+    left = {o["Key"] for page in pages for o in page.get("Contents", [])}
+    assert set(foreign) <= left, sorted(left)
+    assert stale not in left, sorted(left)
+    assert [k for k in left if k.endswith("MANIFEST.json")] == \
+        ["checkpoints/ckpt-00000003/MANIFEST.json"], sorted(left)
+    for key in foreign:
+        assert s3.get_object(Bucket=root, Key=key)["Body"].read() == b"the user's"

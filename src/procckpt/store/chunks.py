@@ -50,6 +50,11 @@ class ChunkDamaged(ValueError):
     """A chunk is missing, has the wrong size, or its bytes do not hash to its name."""
 
 
+def is_chunk_id(text: str) -> bool:
+    """Whether ``text`` is a chunk id's shape (``algo:hex``), whatever hashes are installed."""
+    return _ID.match(text) is not None
+
+
 def chunk_id_problem(chunk_id: object) -> str | None:
     """What is wrong with a chunk's name as a manifest lists it, or None."""
     if not isinstance(chunk_id, str) or not _ID.match(chunk_id):

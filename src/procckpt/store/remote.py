@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StorageError, UsageError
-from .chunks import ChunkStore, file_digest
+from .chunks import ChunkStore, file_digest, is_chunk_id
 from .files import fsync_dir, read_small_file
 from .manifest import MANIFEST, CheckpointInfo
 
@@ -118,6 +118,16 @@ class S3Tier:
     def _chunk_key(self, chunk_id: str) -> str:
         algo, hexdigest = chunk_id.split(":")
         return self._key("chunks", algo, hexdigest[:2], hexdigest)
+
+    def _chunk_id_of(self, key: str) -> str | None:
+        """The chunk a key under ``PREFIX/chunks/`` holds, if the key has the shape procckpt
+        gives its objects (``ALGO/HH/HEX``, HH the digest's first two digits); None for any
+        other key (a README, the user's own files at a bucket root), which is never deleted."""
+        parts = key[len(self._key("chunks")) + 1:].split("/")
+        if len(parts) != 3 or parts[2][:2] != parts[1]:
+            return None
+        chunk_id = f"{parts[0]}:{parts[2]}"
+        return chunk_id if is_chunk_id(chunk_id) else None
 
     @contextlib.contextmanager
     def _failing(self, what: str) -> Iterator[None]:
@@ -325,8 +335,8 @@ class S3Tier:
                 Bucket=self.bucket, Prefix=self._key("chunks") + "/")
             for page in pages:
                 for obj in page.get("Contents", []):
-                    parts = obj["Key"].split("/")
-                    if f"{parts[-3]}:{parts[-1]}" not in listed:
+                    chunk_id = self._chunk_id_of(obj["Key"])
+                    if chunk_id is not None and chunk_id not in listed:
                         stale.append(obj["Key"])
             if stale:
                 self._delete(stale)
