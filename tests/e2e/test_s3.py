@@ -343,3 +343,37 @@ def test_a_bucket_root_with_foreign_keys_under_chunks_is_pruned_around_them(work
         ["checkpoints/ckpt-00000003/MANIFEST.json"], sorted(left)
     for key in foreign:
         assert s3.get_object(Bucket=root, Key=key)["Body"].read() == b"the user's"
+
+
+def test_a_second_launcher_on_a_prefix_stops_at_its_first_lost_commit(workdir: Path,
+                                                                      endpoint):
+    """Two launchers on one prefix (a job submitted twice): the second resumes from the
+    first's checkpoints, then their checkpoint numbers meet. The conditional put lets only one
+    commit a number; the run that lost ends there with one line and 74, instead of going on
+    with each losing commit a warning and the prefix holding both runs' checkpoints in turn."""
+    argv = [*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/twice", "--interval", "1s",
+            "--engine", "hooks", "--", PYTHON, str(SCRIPT), "--epochs", "40",
+            "--step-sleep", "0.1"]  # 640 steps: a minute and more
+    env = {**os.environ, **s3_env(endpoint), "PYTHONUNBUFFERED": "1"}
+    procs = []
+    for node in ("a", "b"):
+        (workdir / node).mkdir()
+        procs.append(subprocess.Popen(argv, cwd=workdir / node, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        deadline = time.monotonic() + 120
+        while node == "a" and len(manifests(endpoint, "twice")) < 2:
+            assert procs[0].poll() is None and time.monotonic() < deadline, "no checkpoints"
+            time.sleep(0.2)
+    try:
+        outputs = [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    codes = sorted(p.returncode for p in procs)
+    assert codes == [0, 74], [err[-2000:] for _, err in outputs]
+    lost = next(err for p, (_, err) in zip(procs, outputs) if p.returncode == 74)
+    assert lost.count("another run writes there") == 1, lost[-3000:]
+    assert "error: " in lost and "give each run its own prefix" in lost, lost[-3000:]
+    assert "Traceback" not in lost and "is not restarted" in lost, lost[-3000:]
+    assert any(k.endswith("/COMPLETE") for k in keys(endpoint, "twice"))
