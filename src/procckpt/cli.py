@@ -212,7 +212,17 @@ def status(directory: str, no_verify: bool, events: int, as_json: bool) -> None:
     (for s3://BUCKET/PREFIX: of its local dir, and what the prefix holds)."""
     from .store.remote import split_location
 
-    local, _ = split_location(directory)
+    local, remote = split_location(directory)
+    if remote is not None and not local.exists():  # another machine's run: the prefix alone
+        from .inspect.status import remote_status_data, render_remote_status
+
+        if as_json:
+            import json
+
+            click.echo(json.dumps(remote_status_data(remote), indent=1, default=str))
+        else:
+            click.echo(render_remote_status(remote))
+        return
     if as_json:
         import json
 

@@ -377,3 +377,42 @@ def test_a_second_launcher_on_a_prefix_stops_at_its_first_lost_commit(workdir: P
     assert "error: " in lost and "give each run its own prefix" in lost, lost[-3000:]
     assert "Traceback" not in lost and "is not restarted" in lost, lost[-3000:]
     assert any(k.endswith("/COMPLETE") for k in keys(endpoint, "twice"))
+
+
+def test_status_of_a_prefix_reads_the_prefix_from_any_machine(workdir: Path, endpoint,
+                                                              monkeypatch):
+    """`procckpt status s3://...` where the run's local dir is not (another machine, a login
+    node) said the dir does not exist; it shows the prefix's checkpoints. Where the local dir
+    is, a checkpoint the prefix lacks (its upload was killed) is named."""
+    import torch
+
+    from procckpt.store import CheckpointStore
+    from procckpt.training.io.writer import write_checkpoint
+
+    for key, value in s3_env(endpoint).items():
+        monkeypatch.setenv(key, value)
+    url = f"s3://{BUCKET}/seen"
+    node = workdir / "node"
+    store = CheckpointStore(node / "procckpt-local" / BUCKET / "seen", keep=3,
+                            remote=url).open()
+    for step in (5, 9):
+        write_checkpoint(store, {"step": step, "epoch": 1, "reason": "interval"},
+                         {"w": torch.full((4,), float(step))})
+    elsewhere = workdir / "login-node"
+    elsewhere.mkdir()
+    shown = run([*procckpt_argv(), "status", url], cwd=elsewhere, env=s3_env(endpoint))
+    assert shown.returncode == 0, shown.stderr
+    assert f"checkpoint dir: {url} (no local dir here: what the prefix holds)" in shown.stdout
+    assert "state:          not finished" in shown.stdout, shown.stdout
+    rows = [line.split() for line in shown.stdout.splitlines() if line.startswith("ckpt-")]
+    assert [(r[0], r[1], r[-1]) for r in rows] == [("ckpt-00000002", "9", "interval"),
+                                                   ("ckpt-00000001", "5", "interval")], rows
+    as_json = run([*procckpt_argv(), "status", "--json", url], cwd=elsewhere,
+                  env=s3_env(endpoint))
+    assert [c["step"] for c in json.loads(as_json.stdout)["checkpoints"]] == [9, 5]
+    assert not list(elsewhere.iterdir())  # nothing made there
+    client(endpoint).delete_object(Bucket=BUCKET, Key="seen/checkpoints/ckpt-00000002/"
+                                                      "MANIFEST.json")  # its upload killed
+    here = run([*procckpt_argv(), "status", url], cwd=node, env=s3_env(endpoint))
+    assert f"remote:         {url}: ckpt-00000001; here only: ckpt-00000002" in here.stdout, \
+        here.stdout

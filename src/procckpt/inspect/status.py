@@ -211,12 +211,51 @@ def _checkpoints(store: CheckpointStore, history: list[dict[str, Any]], verify: 
 
 
 def _remote_line(store: CheckpointStore) -> str:
-    """The remote dir and the checkpoints committed there (store/remote.py)."""
+    """The remote dir and the checkpoints committed there (store/remote.py), and the local
+    ones it lacks (a kill during their upload: the next launch publishes them)."""
     try:
         names = store.remote.committed()  # type: ignore[union-attr]
     except ProcckptError as e:
         return f"{store.remote_url} (cannot list it: {e})"
-    return f"{store.remote_url}: " + (", ".join(names) if names else "no checkpoint yet")
+    line = f"{store.remote_url}: " + (", ".join(names) if names else "no checkpoint yet")
+    local_only = [i.name for i in store.checkpoints() if i.name not in names]
+    return line + (f"; here only: {', '.join(local_only)}" if local_only else "")
+
+
+def remote_status_data(url: str) -> dict[str, Any]:
+    """What an ``s3://`` prefix holds, read from the prefix alone (from a machine without its
+    local dir): whether the run finished and its committed checkpoints, newest first."""
+    from ..store.remote import S3Tier
+
+    tier = S3Tier(url)
+    rows = []
+    for name in tier.committed():
+        manifest = tier.manifest(name) or {}
+        files = manifest.get("files") or {}
+        rows.append({"name": name, "step": manifest.get("step"), "epoch": manifest.get("epoch"),
+                     "reason": manifest.get("reason"), "time": manifest.get("time"),
+                     "bytes": sum(int(f.get("bytes", 0)) for f in files.values())})
+    return {"dir": url, "state": "finished" if tier.completion() else "not finished",
+            "local_dir": None, "checkpoints": rows}
+
+
+def render_remote_status(url: str) -> str:
+    """:func:`remote_status_data` as the lines ``procckpt status`` prints."""
+    data = remote_status_data(url)
+    now = time.time()
+    lines = [f"checkpoint dir: {url} (no local dir here: what the prefix holds)",
+             f"state:          {data['state']}"]
+    rows = [("CHECKPOINT", "STEP", "EPOCH", "SIZE", "AGE", "REASON")]
+    for c in data["checkpoints"]:
+        rows.append((c["name"], _dash(c["step"]), _dash(c["epoch"]), format_size(c["bytes"]),
+                     "-" if not c["time"] else format_duration(now - float(c["time"])),
+                     _dash(c["reason"])))
+    if len(rows) == 1:
+        lines.append("checkpoints:    none yet")
+    else:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines += [""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
 
 
 def _holder(store: CheckpointStore) -> dict | None:
