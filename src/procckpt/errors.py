@@ -17,6 +17,7 @@ __all__ = [
     "logged_exit",
     "EX_USAGE",
     "EX_IOERR",
+    "EX_DATAERR",
     "EX_SOFTWARE",
     "EX_TEMPFAIL",
     "EX_NOTFOUND",
@@ -30,6 +31,9 @@ EX_SOFTWARE = 70
 #: The checkpoint dir's storage failed in a way that would fail again (no space, no
 #: permission, a read error): procckpt stops instead of restarting into the same failure.
 EX_IOERR = 74
+#: Checkpoints exist but none can be used (every one is damaged): sysexits' "the input data
+#: was incorrect". Never restarted either: it would find the same damage.
+EX_DATAERR = 65
 EX_TEMPFAIL = 75
 #: The command was stopped (its time limit, a stop signal) and nothing could be saved.
 EX_NOT_SAVED = 124
@@ -63,7 +67,7 @@ class LockedError(StoreError):
 class CheckpointCorruptError(ProcckptError):
     """Checkpoints exist but none of them can be loaded."""
 
-    exit_code = 1
+    exit_code = EX_DATAERR
 
 
 class CommandNotFoundError(ProcckptError):

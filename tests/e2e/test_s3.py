@@ -416,3 +416,32 @@ def test_status_of_a_prefix_reads_the_prefix_from_any_machine(workdir: Path, end
     here = run([*procckpt_argv(), "status", url], cwd=node, env=s3_env(endpoint))
     assert f"remote:         {url}: ckpt-00000001; here only: ckpt-00000002" in here.stdout, \
         here.stdout
+
+
+def test_a_new_node_refuses_to_start_from_scratch_when_every_remote_checkpoint_is_damaged(
+        workdir: Path, endpoint):
+    """One flipped byte in each committed checkpoint's state: a fresh node set both aside and
+    then started the training from the beginning, exit 0, the run's progress dropped. As
+    locally, it now refuses in one line with the corruption's own exit code, and a second
+    try (the damaged ones already set aside) refuses too."""
+    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/flipped"}
+    first = run([PYTHON, str(SCRIPT), "--epochs", "3"], cwd=workdir,
+                env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
+    assert first.returncode == 0, first.stderr[-3000:]
+    s3 = client(endpoint)
+    for name, manifest in manifests(endpoint, "flipped").items():
+        algo, hexdigest = manifest["objects"]["state.pt"].split(":")
+        key = f"flipped/chunks/{algo}/{hexdigest[:2]}/{hexdigest}"
+        body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        body[len(body) // 2] ^= 0x01
+        s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    s3.delete_object(Bucket=BUCKET, Key="flipped/COMPLETE")
+    for node in ("node-b", "node-c"):
+        again = run([*procckpt_argv(), "run", "--", PYTHON, str(SCRIPT), "--epochs", "4"],
+                    cwd=workdir, env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / node)})
+        assert again.returncode == 65, again.stderr[-3000:]
+        assert "refusing to start from scratch" in again.stderr, again.stderr[-3000:]
+        assert "start step 0" not in again.stdout, again.stdout[-2000:]
+        assert "Traceback" not in again.stderr, again.stderr[-3000:]
+    assert sorted(manifests(endpoint, "flipped")) == ["ckpt-00000002.corrupt",
+                                                      "ckpt-00000003.corrupt"]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..durations import format_duration
-from ..errors import EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
+from ..errors import EX_DATAERR, EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from ..protocol import control as ctl
 from ..protocol.group import LeaderBoard
 from ..protocol.events import append_event
@@ -166,6 +166,11 @@ class Supervisor:
                                   f"again, so it is not restarted; {newest_intact(self.store)}: fix "
                                   "the storage, then run the same command again to resume",
                                   error=True)
+            if outcome.exit_code == EX_DATAERR and not outcome.finished:
+                return self._exit(EX_DATAERR, ExitReason.STORAGE_FAILED,
+                                  f"no checkpoint of {self.store.root} can be used (the "
+                                  "training's error above says why); a restart would find the "
+                                  "same, so it is not restarted", error=True)
             if outcome.finished:
                 # A run that marked itself complete and was then stopped by us (the deadline
                 # came while it was exiting: torchrun and its workers take seconds) finished.
@@ -241,7 +246,8 @@ class Supervisor:
             return outcome.lost_nodes
         if outcome.finished or outcome.confirmed is not None or outcome.forwarded:
             return []
-        if outcome.hung or outcome.stop_cause is not None or outcome.exit_code not in (0, EX_IOERR):
+        if outcome.hung or outcome.stop_cause is not None \
+                or outcome.exit_code not in (0, EX_IOERR, EX_DATAERR):
             # A stop a signal asked for ended the cycle whatever a silent launcher elsewhere
             # means (one that never started, say): the signal is what the end is said of.
             return self._find_lost_nodes(silent=outcome.stop_cause is not StopCause.SIGNAL)

@@ -41,7 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..errors import StorageError, UsageError
+from ..errors import CheckpointCorruptError, StorageError, UsageError
 from .chunks import ChunkStore, file_digest, is_chunk_id
 from .files import fsync_dir, read_small_file
 from .manifest import MANIFEST, CheckpointInfo
@@ -288,8 +288,15 @@ class S3Tier:
 
     def fetch_newer(self, newest_local: int, ckpt_root: Path, chunks: ChunkStore) -> None:
         """Download the newest remote checkpoint when it is newer than every local one (the
-        local dir is new, or another node wrote since); each that fails is set aside."""
-        for name in self.committed():
+        local dir is new, or another node wrote since); each that fails is set aside.
+
+        Raises:
+            CheckpointCorruptError: no local checkpoint, and the prefix's all fail (or were
+                set aside before): starting from scratch would silently drop the run.
+        """
+        names, aside = self._listed()
+        failed = []
+        for name in names:
             if int(name.split("-")[1]) <= newest_local:
                 return
             problem = self.fetch(name, ckpt_root, chunks)
@@ -297,6 +304,12 @@ class S3Tier:
                 logger.info("%s fetched from %s", name, self.url)
                 return
             self.set_aside(name, problem)
+            failed.append(f"{name}: {problem}")
+        if newest_local == 0 and (failed or aside):
+            what = "; ".join(failed) if failed else f"set aside before: {', '.join(aside)}"
+            raise CheckpointCorruptError(
+                f"no checkpoint in {self.url} can be used ({what}); refusing to start from "
+                "scratch: restore the objects, or give a new prefix to train anew")
 
     def completion(self) -> dict[str, Any] | None:
         """What ``PREFIX/COMPLETE`` says (the run finished), or None."""
