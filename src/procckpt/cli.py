@@ -84,6 +84,10 @@ def run_command(config: RunConfig) -> int:
 
         return Follower(config, store).run().exit_code
     with store.lock():
+        if store.remote is not None:  # a kill during an upload left one here only
+            marker = store.complete_path
+            store.remote.publish_missing(store.checkpoints(), store.chunks,
+                                         marker.read_bytes() if marker.exists() else None)
         complete = store.completion()
         if complete and not config.force:
             step = complete.get("step")

@@ -445,3 +445,35 @@ def test_a_new_node_refuses_to_start_from_scratch_when_every_remote_checkpoint_i
         assert "Traceback" not in again.stderr, again.stderr[-3000:]
     assert sorted(manifests(endpoint, "flipped")) == ["ckpt-00000002.corrupt",
                                                       "ckpt-00000003.corrupt"]
+
+
+def test_a_final_checkpoint_whose_upload_was_cut_off_is_published_by_the_next_launch(
+        workdir: Path, endpoint):
+    """The run committed its last checkpoint here and was killed while uploading it: the
+    prefix holds the ones before, no COMPLETE. The rerun on the same node resumed from the
+    local one, said the training finished and wrote a COMPLETE naming a checkpoint the prefix
+    lacked; nothing ever uploaded it, so a node that lost its disk lost the final state. The
+    next launch now publishes it first; a new node then finds the run finished there."""
+    env = {**s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
+    argv = [*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/cut", "--keep", "3", "--",
+            PYTHON, str(SCRIPT), "--epochs", "3"]
+    first = run(argv, cwd=workdir, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = max(manifests(endpoint, "cut"))
+    s3 = client(endpoint)
+    # What the kill during the final upload leaves: the manifest never put, no COMPLETE.
+    s3.delete_object(Bucket=BUCKET, Key=f"cut/checkpoints/{last}/MANIFEST.json")
+    s3.delete_object(Bucket=BUCKET, Key="cut/COMPLETE")
+    (workdir / "node-a" / "COMPLETE").unlink()
+    assert last not in manifests(endpoint, "cut")
+
+    again = run(argv, cwd=workdir, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"{last} was committed here but not in s3://{BUCKET}/cut (its upload was cut " \
+           "off): publishing it" in again.stderr, again.stderr[-3000:]
+    assert last in manifests(endpoint, "cut")
+    record = json.loads(s3.get_object(Bucket=BUCKET, Key="cut/COMPLETE")["Body"].read())
+    assert record.get("checkpoint") in manifests(endpoint, "cut"), record
+    elsewhere = run(argv, cwd=workdir, env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "b")})
+    assert elsewhere.returncode == 0 and "already finished" in elsewhere.stderr, \
+        elsewhere.stderr[-3000:]

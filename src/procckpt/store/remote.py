@@ -268,6 +268,24 @@ class S3Tier:
         logger.debug("%s published to %s: %d object(s), %.1f MB uploaded in %.2fs", info.name,
                      self.url, len(jobs), uploaded / 1e6, time.monotonic() - started)
 
+    def publish_missing(self, local: list[CheckpointInfo], chunks: ChunkStore,
+                        complete: bytes | None) -> list[str]:
+        """Publish the local checkpoints newer than the prefix's newest, oldest first
+        (committed here, their upload cut off by a kill), then a local ``COMPLETE`` the prefix
+        lacks; the names published. Run by the launcher that holds the dir, before anything
+        else: what a resume here trains from must be what a new node would find."""
+        names = self.committed()
+        newest = max((int(n.split("-")[1]) for n in names), default=0)
+        missing = sorted((i for i in local if i.seq > newest), key=lambda i: i.seq)
+        for info in missing:
+            logger.warning("%s was committed here but not in %s (its upload was cut off): "
+                           "publishing it", info.name, self.url)
+            self.publish(info, chunks)
+        if complete is not None and (missing or not local or local[0].seq >= newest) \
+                and self.completion() is None:
+            self.mark_complete(complete)
+        return [i.name for i in missing]
+
     def _upload(self, job: tuple[str, Path]) -> int:
         """Upload one object unless the prefix has it; the bytes uploaded."""
         from botocore.exceptions import ClientError
