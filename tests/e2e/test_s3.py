@@ -477,3 +477,48 @@ def test_a_final_checkpoint_whose_upload_was_cut_off_is_published_by_the_next_la
     elsewhere = run(argv, cwd=workdir, env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "b")})
     assert elsewhere.returncode == 0 and "already finished" in elsewhere.stderr, \
         elsewhere.stderr[-3000:]
+
+
+def test_a_corrupt_shared_chunk_is_refused_on_a_new_node_and_repaired_by_a_good_copy(
+        workdir: Path, endpoint):
+    """One flipped byte in the frozen base's object, which every checkpoint lists. A new node
+    refuses (65) and moves the object out of chunks/; it was never replaced before (an upload
+    skips an object of the right size), so every later checkpoint listed it. The node that
+    has a good copy trains on and publishes again: the object goes back, whole, and a third
+    node resumes from the prefix and ends bit-identical."""
+    base = {**s3_env(endpoint)}
+    argv = [*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/shared-chunk", "--keep", "2",
+            "--", PYTHON, str(SCRIPT)]
+    node_a = {**base, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
+    first = run([*argv, "--epochs", "3"], cwd=workdir, env=node_a)
+    assert first.returncode == 0, first.stderr[-3000:]
+    chunk_ids = set.intersection(*(set(m.get("chunks") or {})
+                                   for m in manifests(endpoint, "shared-chunk").values()))
+    assert chunk_ids, "the frozen base is in no chunk every checkpoint lists"
+    s3 = client(endpoint)
+    algo, hexdigest = sorted(chunk_ids)[0].split(":")
+    key = f"shared-chunk/chunks/{algo}/{hexdigest[:2]}/{hexdigest}"
+    body = bytearray(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[len(body) // 3] ^= 0x10
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    s3.delete_object(Bucket=BUCKET, Key="shared-chunk/COMPLETE")  # train on: one more epoch
+    (workdir / "node-a" / "COMPLETE").unlink()
+
+    refused = run([*argv, "--epochs", "4"], cwd=workdir,
+                  env={**base, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
+    assert refused.returncode == 65, refused.stderr[-3000:]
+    assert f"moved to s3://{BUCKET}/shared-chunk/corrupt/{algo}/{hexdigest}" in refused.stderr
+    assert key not in keys(endpoint, "shared-chunk")
+
+    out = workdir / "out.pt"
+    repaired = run([*argv, "--epochs", "4", "--out", str(out)], cwd=workdir, env=node_a)
+    assert repaired.returncode == 0, repaired.stderr[-3000:]
+    assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() != bytes(body)
+    third = workdir / "out-c.pt"  # a new node: the final checkpoint, from the prefix alone
+    fetched = run([PYTHON, str(SCRIPT), "--epochs", "4", "--out", str(third)], cwd=workdir,
+                  env={**base, "PROCCKPT_DIR": f"s3://{BUCKET}/shared-chunk",
+                       "PROCCKPT_LOCAL_DIR": str(workdir / "node-c")})
+    assert fetched.returncode == 0, fetched.stderr[-3000:]
+    assert "fetched from" in fetched.stderr and "set aside" not in fetched.stderr, \
+        fetched.stderr[-3000:]
+    assert_bit_identical(out, third)

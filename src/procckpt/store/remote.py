@@ -232,12 +232,27 @@ class S3Tier:
                         return f"object {chunk_id} is missing"
                     raise
             if file_digest(part, chunk_id.split(":")[0]) != chunk_id:
-                return f"object {chunk_id} fails its hash (it is corrupt)"
+                return f"object {chunk_id} fails its hash (it is corrupt){self._moved(chunk_id)}"
             os.rename(part, target)
             return None
         finally:
             with contextlib.suppress(OSError):
                 part.unlink()
+
+    def _moved(self, chunk_id: str) -> str:
+        """Move a corrupt object out of ``chunks/`` (to ``corrupt/``, kept for a look): the
+        next upload of a checkpoint that lists it, from a node with a good copy, puts it
+        back (an upload skips only an object the prefix has); ', moved to KEY' or ''."""
+        source, aside = self._chunk_key(chunk_id), self._key("corrupt", *chunk_id.split(":"))
+        try:
+            with self._failing("setting a corrupt object aside in"):
+                self._client.copy_object(Bucket=self.bucket, Key=aside,
+                                         CopySource={"Bucket": self.bucket, "Key": source})
+                self._delete([source])
+        except StorageError as e:
+            logger.warning("%s", e)
+            return ""
+        return f", moved to s3://{self.bucket}/{aside}"
 
     # -- writing ----------------------------------------------------------------------------
     def publish(self, info: CheckpointInfo, chunks: ChunkStore) -> None:
