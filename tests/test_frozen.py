@@ -238,3 +238,23 @@ def test_a_chunk_is_written_once_and_checked_when_read(tmp_path):
 def test_a_manifest_with_bad_chunks_is_refused(chunks, problem):
     manifest = {"files": {"state.pt": {"bytes": 1, "crc32": 1}}, "chunks": chunks}
     assert problem in (manifest_problem(manifest) or "")
+
+
+def test_a_chunk_that_is_not_there_as_itself_says_what_it_is_instead(tmp_path):
+    """A chunk replaced by a link to an identical copy is refused (procckpt follows no link
+    in its dir), and says it is a link; it read 'missing or has the wrong size'."""
+    store = ChunkStore(tmp_path / "chunks")
+    data = memoryview(os.urandom(1 << 16))
+    chunk_id, _ = store.put(data)
+    path = store.path(chunk_id)
+    copy = tmp_path / "copy"
+    copy.write_bytes(bytes(data))
+    assert store.problem({chunk_id: len(data)}, hash_them=False) is None
+    assert store.problem({chunk_id: len(data) + 1}, hash_them=False) == \
+        f"chunk {chunk_id} has {len(data)} bytes, the manifest says {len(data) + 1}"
+    path.unlink()
+    path.symlink_to(copy)
+    problem = store.problem({chunk_id: len(data)}, hash_them=False) or ""
+    assert problem.startswith(f"chunk {chunk_id} is a link ({path} -> {copy})"), problem
+    path.unlink()
+    assert store.problem({chunk_id: len(data)}, hash_them=False) == f"chunk {chunk_id} is missing"

@@ -195,13 +195,29 @@ class ChunkStore:
         with its size, and (``hash_them``, or in ``hash_these``) hash to its name."""
         for chunk_id, nbytes in chunks.items():
             if not self.has(chunk_id, nbytes):
-                return f"chunk {chunk_id} is missing or has the wrong size"
+                return self._absent(chunk_id, nbytes)
             if hash_them or chunk_id in hash_these:
                 try:
                     self.read_into(chunk_id, memoryview(bytearray(nbytes)))
                 except ChunkDamaged as e:
                     return str(e)
         return None
+
+    def _absent(self, chunk_id: str, nbytes: int) -> str:
+        """Why :meth:`has` says no, in words."""
+        path = self.path(chunk_id)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return f"chunk {chunk_id} is missing"
+        except OSError as e:
+            return f"chunk {chunk_id} cannot be read ({e.strerror or e})"
+        if stat.S_ISLNK(st.st_mode):
+            return (f"chunk {chunk_id} is a link ({path} -> {os.readlink(path)}): procckpt "
+                    "follows no link in its dir; put the file itself there")
+        if not stat.S_ISREG(st.st_mode):
+            return f"chunk {chunk_id} is not a regular file"
+        return f"chunk {chunk_id} has {st.st_size} bytes, the manifest says {nbytes}"
 
     def stored(self) -> Iterable[tuple[str, Path]]:
         """Every chunk file in the store, with its id."""
