@@ -522,3 +522,32 @@ def test_a_corrupt_shared_chunk_is_refused_on_a_new_node_and_repaired_by_a_good_
     assert "fetched from" in fetched.stderr and "set aside" not in fetched.stderr, \
         fetched.stderr[-3000:]
     assert_bit_identical(out, third)
+
+
+def test_an_upload_replaces_an_object_whose_bytes_changed_at_the_same_size(workdir: Path,
+                                                                          endpoint):
+    """A byte flipped in the frozen base's object, in place: no node has downloaded it yet.
+    An upload skipped an object of the right size, so every later checkpoint listed the
+    damaged one. The next publish compares the object's ETag with the local bytes' and
+    uploads them again."""
+    argv = [*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/flip-in-place", "--", PYTHON,
+            str(SCRIPT)]
+    env = {**s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
+    first = run([*argv, "--epochs", "2"], cwd=workdir, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    chunk_id = sorted(set.intersection(*(set(m.get("chunks") or {}) for m in
+                                         manifests(endpoint, "flip-in-place").values())))[0]
+    algo, hexdigest = chunk_id.split(":")
+    key = f"flip-in-place/chunks/{algo}/{hexdigest[:2]}/{hexdigest}"
+    s3 = client(endpoint)
+    good = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    bad = bytearray(good)
+    bad[7] ^= 0x01
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(bad))
+    s3.delete_object(Bucket=BUCKET, Key="flip-in-place/COMPLETE")
+    (workdir / "node-a" / "COMPLETE").unlink()
+    again = run([*argv, "--epochs", "3"], cwd=workdir, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"s3://{BUCKET}/{key} is not the bytes of {chunk_id} (its ETag differs): " \
+           "uploading them again" in again.stderr, again.stderr[-3000:]
+    assert s3.get_object(Bucket=BUCKET, Key=key)["Body"].read() == good

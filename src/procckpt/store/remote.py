@@ -29,6 +29,7 @@ the standard AWS chain (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL``, ``~/.aws``,
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -105,6 +106,7 @@ class S3Tier:
         self._client = boto3.client("s3", config=Config(
             retries={"mode": "standard", "total_max_attempts": attempts},
             connect_timeout=10, read_timeout=120, max_pool_connections=4 * _PARALLEL))
+        self._md5s: dict[tuple[str, int, int, int], tuple[str, str]] = {}
         self._transfer = TransferConfig(multipart_threshold=_PART, multipart_chunksize=_PART,
                                         max_concurrency=4)
 
@@ -310,14 +312,39 @@ class S3Tier:
         key = self._chunk_key(chunk_id)
         with self._failing("uploading to"):
             try:
-                if self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"] == size:
-                    return 0
+                head = self._client.head_object(Bucket=self.bucket, Key=key)
+                if head["ContentLength"] == size:
+                    if self._same_bytes(head.get("ETag"), path):
+                        return 0
+                    logger.warning("s3://%s/%s is not the bytes of %s (its ETag differs): "
+                                   "uploading them again", self.bucket, key, chunk_id)
             except ClientError as e:
                 if e.response["Error"]["Code"] not in ("NoSuchKey", "404", "NotFound"):
                     raise
             self._client.upload_file(str(path), self.bucket, key, Config=self._transfer)
         time.sleep(float(os.environ.get(ENV_UPLOAD_PAUSE) or 0))
         return size
+
+    def _same_bytes(self, etag: str | None, path: Path) -> bool:
+        """Whether an object's ETag is the one ``path``'s bytes give: their MD5, or for an
+        upload in parts the MD5 of the parts' MD5s and the count (S3's, MinIO's, Ceph's). An
+        ETag of another form (encryption with KMS) cannot tell: then the size decides. Each
+        file is read once a process (the frozen base, listed by every checkpoint)."""
+        found = re.fullmatch(r'"?([0-9a-f]{32})(?:-(\d+))?"?', etag or "")
+        if found is None:
+            return True
+        st = os.stat(path)
+        known = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+        if known not in self._md5s:
+            whole, parts = hashlib.md5(usedforsecurity=False), []
+            with open(path, "rb") as f:
+                while block := f.read(_PART):
+                    whole.update(block)
+                    parts.append(hashlib.md5(block, usedforsecurity=False).digest())
+            joined = hashlib.md5(b"".join(parts), usedforsecurity=False).hexdigest()
+            self._md5s[known] = (whole.hexdigest(), f"{joined}-{len(parts)}")
+        single, multi = self._md5s[known]
+        return found.group(0).strip('"') == (multi if found.group(2) else single)
 
     def fetch_newer(self, newest_local: int, ckpt_root: Path, chunks: ChunkStore) -> None:
         """Download the newest remote checkpoint when it is newer than every local one (the
