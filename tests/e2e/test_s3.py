@@ -449,29 +449,47 @@ def test_a_new_node_refuses_to_start_from_scratch_when_every_remote_checkpoint_i
 
 def test_a_final_checkpoint_whose_upload_was_cut_off_is_published_by_the_next_launch(
         workdir: Path, endpoint):
-    """The run committed its last checkpoint here and was killed while uploading it: the
-    prefix holds the ones before, no COMPLETE. The rerun on the same node resumed from the
-    local one, said the training finished and wrote a COMPLETE naming a checkpoint the prefix
-    lacked; nothing ever uploaded it, so a node that lost its disk lost the final state. The
-    next launch now publishes it first; a new node then finds the run finished there."""
-    env = {**s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")}
+    """The run committed its last checkpoint here and was killed (SIGKILL, the whole tree)
+    while uploading it: the prefix holds the ones before, no COMPLETE. The rerun on the same
+    node resumed from the local one, said the training finished and wrote a COMPLETE naming a
+    checkpoint the prefix lacked; nothing ever uploaded it, so a node that lost its disk lost
+    the final state. The next launch now publishes it first; a new node then finds the run
+    finished there."""
+    local = workdir / "node-a"
+    env = {**os.environ, **s3_env(endpoint), "PROCCKPT_LOCAL_DIR": str(local)}
     argv = [*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/cut", "--keep", "3", "--",
             PYTHON, str(SCRIPT), "--epochs", "3"]
-    first = run(argv, cwd=workdir, env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    last = max(manifests(endpoint, "cut"))
-    s3 = client(endpoint)
-    # What the kill during the final upload leaves: the manifest never put, no COMPLETE.
-    s3.delete_object(Bucket=BUCKET, Key=f"cut/checkpoints/{last}/MANIFEST.json")
-    s3.delete_object(Bucket=BUCKET, Key="cut/COMPLETE")
-    (workdir / "node-a" / "COMPLETE").unlink()
-    assert last not in manifests(endpoint, "cut")
+    log = workdir / "first.out"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, cwd=workdir, stdout=out, stderr=subprocess.STDOUT,
+                                env={**env, "PROCCKPT_S3_UPLOAD_PAUSE": "0.5"},
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+
+        def final_upload_in_flight() -> bool:
+            committed = {p.name for p in (local / "checkpoints").glob("ckpt-*")}
+            return "epoch 2 loss" in log.read_text() and bool(
+                committed - set(manifests(endpoint, "cut"))) and bool(dangling(endpoint, "cut"))
+
+        while not final_upload_in_flight():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    last = max(p.name for p in (local / "checkpoints").glob("ckpt-*"))
+    assert last not in manifests(endpoint, "cut") and not (local / "COMPLETE").exists()
+    assert not any(k.endswith("/COMPLETE") for k in keys(endpoint, "cut"))
 
     again = run(argv, cwd=workdir, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{last} was committed here but not in s3://{BUCKET}/cut (its upload was cut " \
            "off): publishing it" in again.stderr, again.stderr[-3000:]
     assert last in manifests(endpoint, "cut")
+    s3 = client(endpoint)
     record = json.loads(s3.get_object(Bucket=BUCKET, Key="cut/COMPLETE")["Body"].read())
     assert record.get("checkpoint") in manifests(endpoint, "cut"), record
     elsewhere = run(argv, cwd=workdir, env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "b")})
