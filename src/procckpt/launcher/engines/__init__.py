@@ -23,7 +23,7 @@ class RequestUndelivered(Exception):
     def __init__(self, seq: int, message: str, lasting: bool = False) -> None:
         super().__init__(message)
         self.seq = seq
-        #: The cause will repeat (no space left, a quota, a read-only file system).
+        #: The cause will repeat (no space left, no permission: store/files.py).
         self.lasting = lasting
 
 

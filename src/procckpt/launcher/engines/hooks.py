@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import errno
 from typing import Any
 
 from ...protocol.control import ENV_STOP_EXIT, ENV_TOKEN, ControlChannel, Heartbeat
 from ...store import CheckpointStore
+from ...store.files import lasting_write_error
 from . import Confirmation, Engine, RequestUndelivered
 
 __all__ = ["HooksEngine"]
-
-#: Write errors that will repeat: the checkpoint dir's disk can take no checkpoint either.
-_LASTING = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class HooksEngine(Engine):
@@ -39,7 +36,8 @@ class HooksEngine(Engine):
         except OSError as e:
             raise RequestUndelivered(self._seq, f"could not write the checkpoint request into "
                                      f"{self._channel.dir} ({e.strerror or e})",
-                                     lasting=e.errno in _LASTING) from e
+                                     lasting=lasting_write_error(e, self._channel.dir)
+                                     is not None) from e
         return self._seq
 
     def confirmation(self, seq: int) -> Confirmation | None:
