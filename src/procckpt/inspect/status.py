@@ -78,13 +78,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
                      format_size(c["written"]), "-" if write is None else f"{write:.1f}s",
                      "-" if c["time"] is None else format_duration(now - c["time"]),
                      _dash(c["engine"]), _dash(c["reason"]), valid))
-    if len(rows) == 1:
-        lines.append("checkpoints:    none yet")
-    else:
-        lines.append("")
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-        for r in rows:
-            lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    lines += _table(rows)
     hangs, lost = _count(history, "hang"), _count(history, "node-lost")
     lines.append("")
     lines.append(f"launches: {_count(history, 'start')}   restarts: {_count(history, 'restart')}   "
@@ -250,12 +244,18 @@ def render_remote_status(url: str) -> str:
         rows.append((c["name"], _dash(c["step"]), _dash(c["epoch"]), format_size(c["bytes"]),
                      "-" if not c["time"] else format_duration(now - float(c["time"])),
                      _dash(c["reason"])))
-    if len(rows) == 1:
-        lines.append("checkpoints:    none yet")
-    else:
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines += [""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += _table(rows)
     return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    """The checkpoints' table: a blank line, then the header and rows in columns (the last
+    one as it is); 'none yet' when only the header is there."""
+    if len(rows) == 1:
+        return ["checkpoints:    none yet"]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return [""] + ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1]
+                   for r in rows]
 
 
 def _holder(store: CheckpointStore) -> dict | None:
