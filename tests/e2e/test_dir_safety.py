@@ -219,25 +219,38 @@ def test_a_control_dir_that_is_a_link_gets_nothing_written_through_it(workdir: P
     assert list(elsewhere.iterdir()) == []
 
 
-def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(small_tmpfs):
-    ckpt = small_tmpfs / "ckpt"
+def filled_after_first_checkpoint(tmpfs: Path, args: list[str], first_within: float,
+                                  leave: int = 0) -> tuple[int, str, str, list[Path], float]:
+    """``procckpt run --dir TMPFS/ckpt ARGS``, its disk filled (but ``leave`` bytes) once its
+    first checkpoint is journalled: its exit code, stdout, stderr, the checkpoints from before
+    the fill, and the seconds from the fill to its end."""
+    ckpt = tmpfs / "ckpt"
     proc = subprocess.Popen(
-        [*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "14s", "--grace", "4s",
-         "--interval", "2s", "--", *TINY, "--epochs", "50", "--step-sleep", "0.2"],
-        cwd=small_tmpfs.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [*procckpt_argv(), "run", "--dir", str(ckpt), *args], cwd=tmpfs.parent, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + first_within
         while not any(e["event"] == "checkpoint" for e in events(ckpt)):
             assert proc.poll() is None and time.monotonic() < deadline, "no first checkpoint"
             time.sleep(0.1)
         kept = sorted((ckpt / "checkpoints").glob("ckpt-*"))
-        fill(small_tmpfs)
-        _, stderr = proc.communicate(timeout=120)
+        fill(tmpfs, leave=leave)
+        filled = time.monotonic()
+        stdout, stderr = proc.communicate(timeout=120)
+        ended = time.monotonic() - filled
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 74, stderr[-3000:]
+    return proc.returncode, stdout, stderr, kept, ended
+
+
+def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(small_tmpfs):
+    ckpt = small_tmpfs / "ckpt"
+    code, _, stderr, kept, _ = filled_after_first_checkpoint(
+        small_tmpfs, ["--time-limit", "14s", "--grace", "4s", "--interval", "2s", "--", *TINY,
+                      "--epochs", "50", "--step-sleep", "0.2"], first_within=60)
+    assert code == 74, stderr[-3000:]
     assert "Traceback" not in stderr and "unexpected pos" not in stderr, stderr[-3000:]
     assert f"error: no space left in {ckpt}: need " in stderr, stderr[-3000:]
     assert "could not write the checkpoint request" in stderr  # the launcher carried on
@@ -260,24 +273,10 @@ def test_a_full_disk_ends_the_run_at_its_first_failed_background_checkpoint(smal
     the disk quite full the launcher cannot even ask for a checkpoint, and stops the command:
     its stop's checkpoint fails the same way."""
     ckpt = small_tmpfs / "ckpt"
-    proc = subprocess.Popen(
-        [*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s", "--", *TINY,
-         "--epochs", "200", "--step-sleep", "0.1"],  # 1,600 steps: 160 s and more
-        cwd=small_tmpfs.parent, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + 90
-        while not any(e["event"] == "checkpoint" for e in events(ckpt)):
-            assert proc.poll() is None and time.monotonic() < deadline, "no first checkpoint"
-            time.sleep(0.1)
-        fill(small_tmpfs, leave=left)
-        filled = time.monotonic()
-        stdout, stderr = proc.communicate(timeout=120)
-        ended = time.monotonic() - filled
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 74, stderr[-3000:]
+    code, stdout, stderr, _, ended = filled_after_first_checkpoint(
+        small_tmpfs, ["--interval", "1s", "--", *TINY, "--epochs", "200", "--step-sleep", "0.1"],
+        first_within=90, leave=left)  # 1,600 steps: 160 s and more
+    assert code == 74, stderr[-3000:]
     assert ended < 45, f"ended {ended:.0f}s after the disk filled up"
     steps = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("step ")]
     assert steps and steps[-1] < 1000, steps[-1:]
