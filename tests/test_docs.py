@@ -19,8 +19,12 @@ from .conftest import REPO
 pytestmark = pytest.mark.unit
 
 DOCS = REPO / "docs"
-PAGES = [REPO / "README.md", REPO / "tests" / "README.md", REPO / "benchmarks" / "README.md",
-         REPO / "examples" / "README.md", *sorted(DOCS.glob("*.md"))]
+#: Every Markdown page of the repository but generated ones (BENCHMARKS.md, written by `make
+#: bench`) and what lies in hidden or build folders.
+PAGES = sorted(p for p in REPO.rglob("*.md")
+               if not any(part.startswith(".") or part.endswith(".egg-info") or part == "build"
+                          for part in p.relative_to(REPO).parts[:-1])
+               and p.name != "BENCHMARKS.md")
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 #: Commands whose unknown options are not errors: sbatch hands them to Slurm.
 PASS_THROUGH = {"sbatch"}
@@ -127,6 +131,55 @@ def test_the_run_option_table_in_the_reference_is_the_codes():
     shown = [flag for flag in rows if flag not in {o.flag for o in OPTIONS.values()}
              and flag != "--config" and not _in_other_tables(flag)]
     assert not wrong and not shown, f"docs/cli.md: {wrong} {shown}"
+
+
+def test_each_run_option_row_names_every_flag_of_the_option_and_its_value():
+    """A row shows the option as --help does: both halves of an on/off switch, the metavar."""
+    from procckpt.launcher.config import OPTIONS
+
+    firsts = {}
+    for line in (DOCS / "cli.md").read_text().splitlines():
+        first = re.match(r"\| `(--[a-z-]+)[^|]*?(?:\\\|[^|]*?)*\|", line)
+        if first:
+            firsts.setdefault(first.group(1), first.group(0))
+    run_params = {p.name: p for p in cli.commands["run"].params}
+    wrong = []
+    for option in OPTIONS.values():
+        param, cell = run_params[option.name], firsts.get(option.flag, "")
+        for flag in (*param.opts, *param.secondary_opts):
+            if f"`{flag}" not in cell:
+                wrong.append(f"{option.flag}: its row does not show {flag}")
+        metavar = param.metavar
+        if metavar and metavar.replace("|", "\\|") not in cell:
+            wrong.append(f"{option.flag}: its row does not show {metavar}")
+    assert not wrong, wrong
+
+
+def test_one_exit_code_table_in_all_the_pages():
+    tables = [str(p.relative_to(REPO)) for p in PAGES
+              if re.search(r"^\| code \|", p.read_text(), flags=re.M)]
+    assert tables == ["docs/cli.md"], f"exit-code tables in {tables}: keep the one in cli.md"
+
+
+def test_an_array_tasks_requeue_id_is_spelled_one_way():
+    """``<array job id>_<task id>``, never a made-up variable name (three drifted before)."""
+    texts = [p.read_text() for p in PAGES] + [
+        p.read_text() for p in (REPO / "src" / "procckpt").rglob("*.py")]
+    invented = sorted({m for text in texts
+                       for m in re.findall(r"(?<![A-Z_])ARRAY[A-Z]*_TASK[A-Z]*", text)})
+    assert not invented, invented
+    assert "`<array job id>_<task id>`" in (DOCS / "slurm.md").read_text()
+
+
+@pytest.mark.parametrize("page", ["cli.md", "slurm.md"])
+def test_the_run_options_sbatch_refuses_are_the_ones_the_pages_name(page: str):
+    from procckpt.launcher.config import OPTIONS, PASSED_ON, SBATCH_OWN
+
+    refused = {o.flag for o in OPTIONS.values() if o.sbatch not in (PASSED_ON, SBATCH_OWN)}
+    text = " ".join((DOCS / page).read_text().split())
+    said = re.search(r"(?:every option|all) but ((?:`--[a-z-]+`(?:, | and ))+`--[a-z-]+`)", text)
+    assert said, f"docs/{page} does not say which run options sbatch does not pass on"
+    assert set(re.findall(r"`(--[a-z-]+)`", said.group(1))) == refused, said.group(0)
 
 
 def _in_other_tables(flag: str) -> bool:

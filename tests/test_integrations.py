@@ -72,3 +72,27 @@ def test_lightnings_metadata_file_is_the_checkpoints_state_file_under_the_manife
     assert info.manifest["files"]["meta.pt"] == info.manifest["files"]["state.pt"]
     assert os.path.samefile(info.path / "meta.pt", info.path / "state.pt")
     assert store.newest_intact() is not None and store.newest_intact().path == info.path
+
+
+@lightning_missing
+@pytest.mark.parametrize("under_procckpt", [True, False], ids=["procckpt-run", "alone"])
+def test_lightnings_own_slurm_requeue_is_off_only_under_procckpt_run(monkeypatch,
+                                                                      under_procckpt: bool):
+    import lightning as L
+
+    from procckpt.integrations.lightning import _leave_requeue_to_procckpt
+
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7",
+                        "SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+                        "SLURM_NODELIST": "n1"}.items():
+        monkeypatch.setenv(name, value)
+    if under_procckpt:
+        monkeypatch.setenv("PROCCKPT_TOKEN", "t")
+    else:
+        monkeypatch.delenv("PROCCKPT_TOKEN", raising=False)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    environment = trainer._accelerator_connector.cluster_environment
+    assert type(environment).__name__ == "SLURMEnvironment" and environment.auto_requeue
+    _leave_requeue_to_procckpt(trainer)
+    assert environment.auto_requeue is not under_procckpt

@@ -345,3 +345,22 @@ def test_several_nodes_refuse_names_the_api_server_would_reject(name: str, nodes
     # One node: a Job name that starts with a digit is fine, and so is 63 characters.
     assert main(["k8s", "--image", "i", "--pvc", "c", "--name", "1train", "--", "python",
                  "t.py"]) == 0
+
+
+def test_the_grace_and_limits_come_from_the_environment_and_procckpt_yaml_as_for_run(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "procckpt.yaml").write_text("max-restarts: 7\ntime-limit: 2h\n")
+    monkeypatch.setenv("PROCCKPT_GRACE", "90s")
+    monkeypatch.setenv("PROCCKPT_INTERVAL", "5m")  # the pod's own to read: not refused here
+    assert main(["k8s", "--image", "x", "--pvc", "ckpts", "--max-restarts", "3", "--",
+                 "python", "train.py"]) == 0
+    manifest = capsys.readouterr().out
+    job = yaml.safe_load(manifest)
+    assert job["spec"]["backoffLimit"] == 3  # the command line beats the file
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[command.index("--time-limit") + 1] == "7200s", command
+    assert command[command.index("--grace") + 1] == "90s", command
+    monkeypatch.setenv("PROCCKPT_GRACE", "soon")
+    assert main(["k8s", "--image", "x", "--pvc", "ckpts", "--", "python", "train.py"]) == 2
+    assert "soon" in capsys.readouterr().err

@@ -163,7 +163,7 @@ def test_environment_of_plain_array_and_chain_jobs():
     plain = slurm_env({"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "3"})
     assert plain is not None and plain.requeue_target == "42" and plain.restart_count == 3
     assert plain.end_time is None and plain.chain_position is None
-    # An array task has its own job id, but requeueing must name ARRAYID_TASK.
+    # An array task has its own job id, but requeueing must name <array job id>_<task id>.
     task = slurm_env({"SLURM_JOB_ID": "45", "SLURM_ARRAY_JOB_ID": "41",
                       "SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "3",
                       "SLURM_ARRAY_TASK_MAX": "9", "PROCCKPT_SLURM_CHAIN": "1",

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .launcher.config import (CONFIG_FILE, OPTIONS, Option, RunConfig, config_from,
+from .launcher.config import (CONFIG_FILE, OPTIONS, Option, RunConfig,
                               load_config, shown_default)
 from .launcher.deadline import Deadline, LocalDeadline, NoDeadline
 from .launcher.engines import Engine
@@ -301,9 +301,10 @@ def k8s(command: tuple[str, ...], dir_: str | None, grace: str | None, max_resta
     """
     from .schedulers.k8s import K8sJobSpec, render_manifest
 
-    # Read as `procckpt run` reads them (the pod's run is given them explicitly).
-    run = config_from({"grace": grace, "max_restarts": max_restarts, "time_limit": time_limit},
-                      list(command))
+    # Read as `procckpt run` reads them, PROCCKPT_* and procckpt.yaml included (the pod's
+    # run is given them explicitly; it reads its other options in the pod).
+    given = {"grace": grace, "max_restarts": max_restarts, "time_limit": time_limit}
+    run = load_config(given, list(command), only=given)
     spec = K8sJobSpec(
         command=list(command), dir=dir_, grace=run.grace_for(run.time_limit),
         max_restarts=run.max_restarts, time_limit=run.time_limit,

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import EXAMPLES, PYTHON
+from ..conftest import EXAMPLES, PYTHON, assert_bit_identical
 from ..harness.slurm_cluster import SlurmCluster
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
+from .test_frameworks import needs, reference
 from .test_torchrun import SHAPE, assert_same_run, uninterrupted
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -75,3 +76,37 @@ def test_srun_two_tasks_requeued_resume_bit_identically(slurm_cluster: SlurmClus
     assert all(e["reason"] == "stop requested on another rank" for e in stops), stops
     assert any(e["event"] == "resume" and e["batch"] > 0 for e in events)
     assert_same_run(reference, out)
+
+
+def test_lightning_on_slurm_as_docs_slurm_md_says_is_requeued_and_resumes_bit_identically(
+        slurm_cluster: SlurmCluster, tmp_path: Path):
+    """docs/slurm.md's recipe for N GPUs, on 2 CPU tasks: `--ntasks-per-node` matching the
+    Trainer's devices, `srun`, no --signal of the user's own, the Trainer's defaults for
+    Slurm (auto_requeue on: the callback turns it off)."""
+    needs("lightning")
+    # 208 samples: 13 steps a rank an epoch, 39 in all; at 2.5 s a step, ~100 s of training,
+    # more than a two-minute job's first cycle holds once two Lightning ranks have started.
+    args = ["--ddp", "--samples", "208"]
+    job = Job("lightning", tmp_path / "job")
+    job.workdir.mkdir()
+    out = job.workdir / "out.pt"
+    procckpt_sbatch(slurm_cluster, job, ["-t", "2", "--nodes", "1", "--ntasks-per-node", "2"],
+                    ["srun", PYTHON, str(EXAMPLES / "lightning_train.py"), *args,
+                     "--step-sleep", "2.5", "--out", str(out)])
+    watcher = JobWatcher(slurm_cluster).start()
+    try:
+        expected = reference(tmp_path, "lightning", *args[1:], ranks=2)  # while the job runs
+        record = watcher.wait_done(job.job_id, timeout=900)
+    finally:
+        watcher.stop()
+        slurm_cluster.run(["scancel", str(job.job_id)], check=False)
+    log = job.log
+    assert record["JobState"] == "COMPLETED", (record, log[-4000:])
+    restarts = int(record["Restarts"])
+    assert restarts >= 1 and log.count("procckpt: requeued Slurm job") == restarts, log[-4000:]
+    assert "Lightning's auto_requeue is off" in log, log[-4000:]
+    # Lightning requeued nothing itself, nor did a stop wait for SIGKILL.
+    assert "Handling auto-requeue signal" not in log, log[-4000:]
+    assert "did not exit" not in log, log[-4000:]
+    assert any(e["event"] == "resume" for e in job.events)
+    assert_bit_identical(expected, out)

@@ -43,6 +43,7 @@ except ImportError:  # the older package name
 from torch.utils.data import DataLoader
 
 from ..errors import ProcckptError
+from ..protocol.control import ENV_TOKEN
 from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.distributed import Sharded
@@ -106,6 +107,7 @@ class ProcckptCallback(pl.Callback):
         self.checkpointer = ckpt
         self._loop = DrivenLoop(ckpt)
         _position_train_loader(trainer, self._loop)
+        _leave_requeue_to_procckpt(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -207,6 +209,22 @@ class _LightningShards(Sharded):
 
     def load_state_dict(self, state: dict[str, Any], /) -> None:
         raise AssertionError("Lightning loads its distributed checkpoint itself")
+
+
+def _leave_requeue_to_procckpt(trainer: pl.Trainer) -> None:
+    """Under ``procckpt run`` in a Slurm job, turn off Lightning's auto-requeue: it would
+    ignore SIGTERM (the stop then waits for SIGKILL), and a SIGUSR1 reaching the training
+    would make Lightning save its own checkpoint and requeue the job a second time. Called
+    from ``setup``, before ``fit`` registers its signal handlers."""
+    if ENV_TOKEN not in os.environ:
+        return  # run alone, Lightning's requeue may be all the job has
+    # The connector's environment is the one fit() asks (there is no public handle); of
+    # Lightning's environments only SLURMEnvironment has auto_requeue.
+    environment = getattr(trainer._accelerator_connector, "cluster_environment", None)
+    if getattr(environment, "auto_requeue", False):
+        environment.auto_requeue = False
+        if trainer.is_global_zero:
+            logger.info("procckpt requeues this Slurm job: Lightning's auto_requeue is off")
 
 
 def _sharded_state(trainer: pl.Trainer) -> _LightningShards | None:

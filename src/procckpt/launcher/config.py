@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -173,9 +173,9 @@ class RunConfig:
     mtbf: float = _option(DEFAULT_MTBF, "Expected time between failures (node loss, OOM "
                           "kill), for --interval auto.", _duration, "DURATION")
     hang_timeout: float | str | None = _option(
-        AUTO, "Restart the command when it makes no progress (no step completes, its "
-        "training thread does no work) for this long, after printing its stacks (auto: "
-        "max(10m, 50 steps)).",
+        AUTO, "Restart the command when it makes no progress (no step completes, and its "
+        "training thread's stack does not move while it uses the processor) for this long, "
+        "after printing its stacks (auto: max(10m, 50 steps)).",
         _duration_or_auto(5.0, "the training reports its progress once a second, so a "
                                "shorter one would stop a healthy run"),
         "DURATION|auto|off")
@@ -276,9 +276,11 @@ def _read_file(path: Path, explicit: bool) -> dict[str, Any]:
 
 
 def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str | None = None,
-                environ: Mapping[str, str] | None = None) -> RunConfig:
+                environ: Mapping[str, str] | None = None,
+                only: Collection[str] | None = None) -> RunConfig:
     """Merge the sources into a validated RunConfig. ``cli`` maps option names to values,
-    None meaning "not given"."""
+    None meaning "not given"; ``only``: read just these options from the file and the
+    environment (``procckpt k8s``, whose pod reads the rest in its own)."""
     environ = os.environ if environ is None else environ
     path = Path(config_path) if config_path else Path(CONFIG_FILE)
     values: dict[str, Any] = {}
@@ -287,6 +289,8 @@ def load_config(cli: Mapping[str, Any], command: list[str], *, config_path: str 
         env_value = environ.get(option.env)
         if env_value not in (None, ""):
             values[option.name] = env_value
+    if only is not None:
+        values = {name: value for name, value in values.items() if name in only}
     values.update({name: value for name, value in cli.items() if value is not None})
     config = config_from(values, command)
     _check_training_environment(environ)

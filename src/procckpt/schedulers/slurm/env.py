@@ -46,8 +46,8 @@ class SlurmEnv:
 
     @property
     def requeue_target(self) -> str:
-        """The id ``scontrol requeue`` needs: ``ARRAYID_TASK`` for array tasks, since
-        requeueing the array's id would requeue every task."""
+        """The id ``scontrol requeue`` needs: for an array task its own,
+        ``<array job id>_<task id>``, since the array's id would requeue every task."""
         if self.is_array_task:
             return f"{self.array_job_id}_{self.array_task_id}"
         return self.job_id
