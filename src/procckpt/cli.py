@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import shutil
 import sys
 from pathlib import Path
 from collections.abc import Callable
@@ -15,13 +13,10 @@ import click
 from . import __version__
 from .launcher.config import (CONFIG_FILE, OPTIONS, Option, RunConfig,
                               load_config, shown_default)
-from .launcher.deadline import Deadline, LocalDeadline, NoDeadline
-from .launcher.engines import Engine
-from .errors import EX_USAGE, CommandNotFoundError, ProcckptError, UsageError
+from .launcher.deadline import Deadline
+from .errors import EX_USAGE, ProcckptError, UsageError
 from .log import setup_logging
-from .launcher.restart import LocalRestart, RestartPolicy
-from .protocol.events import append_event
-from .store import CheckpointStore
+from .launcher.restart import RestartPolicy
 
 __all__ = ["main", "cli"]
 
@@ -68,75 +63,16 @@ def run(command: tuple[str, ...], config_path: str | None, **options: Any) -> No
 
 
 def run_command(config: RunConfig) -> int:
-    """Everything ``procckpt run`` does after parsing; returns the exit code."""
-    from .launcher.supervisor import Supervisor
-
-    exe = config.command[0]
-    if "/" not in exe and shutil.which(exe) is None:
-        raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
-    store = CheckpointStore(config.dir, keep=config.keep, journal=append_event,
-                            remote=config.remote).open()
-    if config.remote is not None:
-        logger.info("checkpoints go to %s; the lock, control channel and journal stay in %s",
-                    config.remote, store.root)
-    if config.node_rank > 0:  # node 0's launcher holds the lock and leads
-        from .launcher.follower import Follower
-
-        return Follower(config, store).run().exit_code
-    with store.lock():
-        if store.remote is not None:  # a kill during an upload left one here only
-            marker = store.complete_path
-            store.remote.publish_missing(store.checkpoints(), store.chunks,
-                                         marker.read_bytes() if marker.exists() else None)
-        complete = store.completion()
-        if complete and not config.force:
-            step = complete.get("step")
-            logger.info("the run in %s already finished%s; nothing to do. Use --force or a new "
-                        "--dir to train again", store.root,
-                        "" if step is None else f" (step {step})")
-            return 0
-        if config.force:
-            archived = store.archive()
-            if archived is not None:
-                logger.info("--force: earlier checkpoints moved to %s", archived)
-        store.clean_temporaries()
-        store.fetch_remote()  # a new node: its newest checkpoint is in the prefix
-        engine = _engine_for(config, store)
-        deadline, policy = _deadline_and_policy(config)
-        result = Supervisor(config, store, engine, deadline, policy).run()
-        return result.exit_code
-
-
-def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
-    """The engine --engine asks for (auto: see engines/choice.py); logs which and why."""
-    from .launcher.engines.choice import choose_engine
-    from .launcher.engines.hooks import HooksEngine
-
-    choice = choose_engine("hooks" if config.nodes > 1 else config.engine, config.command,
-                           store)
-    if config.nodes > 1:
-        choice = dataclasses.replace(choice, reason=f"--nodes {config.nodes}: the ranks of every "
-                                     "node answer through procckpt.Checkpointer")
-    logger.info("engine: %s (%s)", choice.name, choice.reason)
-    if choice.warning is not None:
-        logger.warning("%s", choice.warning)
-    if choice.name == "dmtcp":
-        from .launcher.engines.dmtcp import DmtcpEngine
-
-        assert choice.tools is not None
-        return DmtcpEngine(store, choice.tools)
-    return HooksEngine(store)
-
-
-def _deadline_and_policy(config: RunConfig) -> tuple[Deadline, RestartPolicy]:
+    """Everything ``procckpt run`` does after parsing (launcher/launch.py), with Slurm's
+    deadline and policy where it runs in a job; returns the exit code."""
+    from .launcher.launch import launch
     from .schedulers.slurm import slurm_deadline_and_policy
 
-    slurm = slurm_deadline_and_policy(config)  # None outside a Slurm job
-    if slurm is not None:
-        return slurm.deadline, slurm.policy
-    deadline: Deadline = (LocalDeadline(config.time_limit) if config.time_limit is not None
-                          else NoDeadline())
-    return deadline, LocalRestart(config.max_restarts)
+    def scheduled(config: RunConfig) -> tuple[Deadline, RestartPolicy] | None:
+        slurm = slurm_deadline_and_policy(config)  # None outside a Slurm job
+        return None if slurm is None else (slurm.deadline, slurm.policy)
+
+    return launch(config, scheduled)
 
 
 class _RawArgsCommand(click.Command):
