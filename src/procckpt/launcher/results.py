@@ -13,16 +13,20 @@ __all__ = ["ExitReason", "RunResult", "CycleOutcome", "exit_words"]
 
 
 class ExitReason(enum.Enum):
+    """How a run ends; its exit code is in decide.py's EXIT_CODES, the one table."""
+
     FINISHED = "finished"
     ALREADY_COMPLETE = "already-complete"
-    CHECKPOINTED = "checkpointed"  # stopped with a checkpoint, resume later (exit 75)
-    REQUEUED = "requeued"  # the scheduler will start it again (exit 0)
+    CHECKPOINTED = "checkpointed"  # stopped with a checkpoint, resume later
+    REQUEUED = "requeued"  # the scheduler will start it again
     BUDGET_EXHAUSTED = "budget-exhausted"
     NO_PROGRESS = "no-progress"
-    NOT_CHECKPOINTABLE = "not-checkpointable"  # stopped, nothing could be saved (exit 124)
-    STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error (exit 74)
-    FAILED = "failed"
-    INTERRUPTED = "interrupted"
+    UNSAVED_STOP = "unsaved-stop"  # stopped, but the stop's checkpoint never came
+    NOT_CHECKPOINTABLE = "not-checkpointable"  # stopped, nothing could be saved
+    STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error
+    CHECKPOINTS_UNUSABLE = "checkpoints-unusable"  # every checkpoint fails its checks
+    FAILED = "failed"  # the command's own exit code
+    INTERRUPTED = "interrupted"  # the command ended after a signal passed on to it
     HUNG = "hung"  # stuck again and again, past the restart budget
 
 

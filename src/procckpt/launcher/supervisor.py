@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..durations import format_duration
-from ..errors import EX_DATAERR, EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
+from ..errors import EX_DATAERR, EX_IOERR
 from ..protocol import control as ctl
 from ..protocol.group import LeaderBoard
 from ..protocol.events import append_event
@@ -31,7 +31,9 @@ from .engines import Engine
 from .engines.choice import imports_procckpt
 from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
-from .restart import Decision, RestartPolicy, StopCause
+from .decide import (EXIT_CODES, Action, RunSoFar, Step, after_cycle, after_node_loss,
+                     after_verdict)
+from .restart import RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult, exit_words
 from .said import newest_intact, restart_number, resumes_from
 from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
@@ -41,8 +43,6 @@ __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 
 logger = logging.getLogger(__name__)
 
-#: Cycles in a row without a new checkpoint after which a local restart loop gives up.
-NO_PROGRESS_CYCLES = 3
 #: --restart-on-failure: the same failure from the same checkpoint this often in a row stops
 #: the run; before each restart the launcher waits, twice as long each time.
 SAME_FAILURE_LIMIT = 3
@@ -133,111 +133,107 @@ class Supervisor:
         while True:
             self.cycles += 1
             outcome = self._run_cycle(restarts)
-            if outcome.retry is not None:
+            # A command that has checkpointed before, or whose script imports procckpt, and
+            # merely started too slowly (torchrun and its workers under load) makes no
+            # progress; it is not unable to.
+            slow = None if outcome.connected or outcome.confirmed else self._slow_start()
+            step = after_cycle(outcome, RunSoFar(restarts, self.config.max_restarts, last_step,
+                                                 self.engine.stuck, slow))
+            progress, verdict_message = None, ""
+            if step.action is Action.ASK_POLICY:
+                progress = outcome.confirmed.progress if outcome.confirmed else None
+                if progress is None or (last_step is not None and progress <= last_step):
+                    stalled += 1
+                    logger.warning("cycle %d %s; the next cycle %s", self.cycles,
+                                   (slow or "ended without a checkpoint") if progress is None
+                                   else "made no progress: its checkpoint is no further than "
+                                   "the one before it", resumes_from(self.store))
+                else:
+                    stalled, last_step = 0, progress
+                cause = outcome.stop_cause or StopCause.CHILD
+                verdict = self.policy.after_stop(cause, outcome.stop_signal, restarts)
+                verdict_message = verdict.message
+                step = after_verdict(verdict.decision, stalled, saved=progress is not None)
+            if step.action is Action.RETRY:
                 logger.warning("%s", outcome.retry)
                 append_event(self.store.events_path, "fallback", message=outcome.retry,
                              cycle=self.cycles)
                 continue
-            stuck = self.engine.stuck
-            saved = outcome.confirmed is not None and outcome.confirmed.checkpoint is not None
-            if stuck and not outcome.finished and not saved:
-                # The engine cannot take an image of this command: every cycle would end so.
-                return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
-                                  f"{stuck}. Running the same command again "
-                                  f"{resumes_from(self.store)}", error=True)
-            if outcome.lost_nodes:
+            if step.action is Action.NODE_LOSS:
                 return self._after_node_loss(outcome.lost_nodes, restarts)
-            if outcome.hung and not outcome.finished:
-                if restarts >= self.config.max_restarts:
-                    return self._exit(1, ExitReason.HUNG,
-                                      f"the command hung again after {restarts} restarts "
-                                      f"(--max-restarts {self.config.max_restarts}); its stacks "
-                                      "are in the log above", error=True)
-                restarts += 1
-                logger.warning("restarting the hung command: the next cycle %s",
-                               resumes_from(self.store))
-                append_event(self.store.events_path, "restart", restart=restarts, cause="hang",
-                             step=self.hangs.last_step)
-                continue
-            if outcome.exit_code == EX_IOERR and not outcome.finished:
-                return self._exit(EX_IOERR, ExitReason.STORAGE_FAILED,
-                                  f"the training could not read or write its checkpoints in "
-                                  f"{self.store.root} (its error is above); that would fail "
-                                  f"again, so it is not restarted; {newest_intact(self.store)}: fix "
-                                  "the storage, then run the same command again to resume",
-                                  error=True)
-            if outcome.exit_code == EX_DATAERR and not outcome.finished:
-                return self._exit(EX_DATAERR, ExitReason.STORAGE_FAILED,
-                                  f"no checkpoint of {self.store.root} can be used (the "
-                                  "training's error above says why); a restart would find the "
-                                  "same, so it is not restarted", error=True)
-            if outcome.finished:
-                # A run that marked itself complete and was then stopped by us (the deadline
-                # came while it was exiting: torchrun and its workers take seconds) finished.
-                if outcome.exit_code == 0 or outcome.stop_cause is not None:
-                    return self._exit(0, ExitReason.FINISHED, "training finished")
-                return self._exit(outcome.exit_code, ExitReason.FAILED,
-                                  f"training finished but the command then exited with "
-                                  f"{outcome.exit_code}")
-            if outcome.stop_cause is None and outcome.confirmed is None:
+            if step.action is Action.UNREQUESTED:
                 result = self._after_unrequested_exit(outcome, restarts)
                 if result is not None:
                     return result
                 restarts += 1
                 continue
-            # A command that has checkpointed before, or whose script imports procckpt, and
-            # merely started too slowly (torchrun and its workers under load) makes no
-            # progress; it is not unable to.
-            slow = None if outcome.connected or outcome.confirmed else self._slow_start()
-            if outcome.confirmed is None and not outcome.connected and last_step is None \
-                    and slow is None:
-                return self._exit(EX_NOT_SAVED, ExitReason.NOT_CHECKPOINTABLE,
-                                  f"the command was stopped ({outcome.stop_text}) but it "
-                                  "never connected to procckpt, so nothing was saved and a "
-                                  "rerun starts from the beginning: use procckpt.Checkpointer "
-                                  "in the script, or --engine dmtcp", error=True)
-            step = outcome.confirmed.progress if outcome.confirmed else None
-            if step is None or (last_step is not None and step <= last_step):
-                stalled += 1
-                logger.warning("cycle %d %s; the next cycle %s", self.cycles,
-                               (slow or "ended without a checkpoint") if step is None else
-                               "made no progress: its checkpoint is no further than the one "
-                               "before it", resumes_from(self.store))
-            else:
-                stalled = 0
-                last_step = step
-            cause = outcome.stop_cause or StopCause.CHILD
-            verdict = self.policy.after_stop(cause, outcome.stop_signal, restarts)
-            if verdict.decision is Decision.RESTART_HERE and stalled >= NO_PROGRESS_CYCLES:
-                return self._exit(EX_TEMPFAIL, ExitReason.NO_PROGRESS,
-                                  f"{stalled} cycles in a row made no progress: the time left "
-                                  "before the checkpoint is too short to start and train; raise "
-                                  "--time-limit or lower --grace")
-            if verdict.decision is Decision.RESTART_HERE:
+            if step.action is Action.RESTART:
                 restarts += 1
-                number = restart_number(self.store, restarts)
-                logger.info("restarting (%s)", verdict.message if number == restarts else
-                            f"restart {number} of the training; {verdict.message} in this "
-                            "launch")
-                append_event(self.store.events_path, "restart", restart=restarts,
-                             cause=cause.value, step=step if outcome.confirmed and
-                             outcome.confirmed.step is not None else None)
+                self._restarting(step, outcome, restarts, progress, verdict_message)
                 continue
-            unsaved = "" if step is not None else (
-                f"no checkpoint was taken after {outcome.stop_text}: the command reached no "
-                "safe point before it was stopped, so the work since the last checkpoint is "
-                "lost; ")
-            if verdict.decision is Decision.REQUEUED:
-                return self._exit(0, ExitReason.REQUEUED, unsaved + verdict.message)
-            if verdict.decision is Decision.BUDGET_EXHAUSTED:
-                return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED,
-                                  unsaved + verdict.message, error=True)
-            if unsaved:
-                # The stop's checkpoint never came (a stuck step): no claim that it did.
-                return self._exit(EX_TEMPFAIL, ExitReason.INTERRUPTED,
-                                  f"{unsaved}running the same command again "
-                                  f"{resumes_from(self.store)}", error=True)
-            return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message)
+            return self._ending(step, outcome, verdict_message, stalled, restarts)
+
+    def _restarting(self, step: Step, outcome: CycleOutcome, restarts: int,
+                    progress: int | None, verdict: str) -> None:
+        """Say and journal a restart here: after a hang, or after a stop."""
+        if step.why == "hang":
+            logger.warning("restarting the hung command: the next cycle %s",
+                           resumes_from(self.store))
+            append_event(self.store.events_path, "restart", restart=restarts, cause="hang",
+                         step=self.hangs.last_step)
+            return
+        number = restart_number(self.store, restarts)
+        logger.info("restarting (%s)", verdict if number == restarts else
+                    f"restart {number} of the training; {verdict} in this launch")
+        cause = outcome.stop_cause or StopCause.CHILD
+        append_event(self.store.events_path, "restart", restart=restarts, cause=cause.value,
+                     step=progress if outcome.confirmed and outcome.confirmed.step is not None
+                     else None)
+
+    def _ending(self, step: Step, outcome: CycleOutcome, verdict: str, stalled: int,
+                restarts: int) -> RunResult:
+        """The run's end, in words, with the exit code of decide.py's table."""
+        reason = step.reason
+        assert reason is not None
+        unsaved = (f"no checkpoint was taken after {outcome.stop_text}: the command reached no "
+                   "safe point before it was stopped, so the work since the last checkpoint "
+                   "is lost; ")
+        if step.why == "engine-stuck":
+            message = (f"{self.engine.stuck}. Running the same command again "
+                       f"{resumes_from(self.store)}")
+        elif step.why == "never-connected":
+            message = (f"the command was stopped ({outcome.stop_text}) but it never connected "
+                       "to procckpt, so nothing was saved and a rerun starts from the "
+                       "beginning: use procckpt.Checkpointer in the script, or --engine dmtcp")
+        elif step.why == "finished-then-failed":
+            message = f"training finished but the command then exited with {outcome.exit_code}"
+        elif reason is ExitReason.HUNG:
+            message = (f"the command hung again after {restarts} restarts "
+                       f"(--max-restarts {self.config.max_restarts}); its stacks are in the "
+                       "log above")
+        elif reason is ExitReason.STORAGE_FAILED:
+            message = (f"the training could not read or write its checkpoints in "
+                       f"{self.store.root} (its error is above); that would fail again, so it "
+                       f"is not restarted; {newest_intact(self.store)}: fix the storage, then "
+                       "run the same command again to resume")
+        elif reason is ExitReason.CHECKPOINTS_UNUSABLE:
+            message = (f"no checkpoint of {self.store.root} can be used (the training's error "
+                       "above says why); a restart would find the same, so it is not "
+                       "restarted")
+        elif reason is ExitReason.FINISHED:
+            message = "training finished"
+        elif reason is ExitReason.NO_PROGRESS:
+            message = (f"{stalled} cycles in a row made no progress: the time left before the "
+                       "checkpoint is too short to start and train; raise --time-limit or "
+                       "lower --grace")
+        elif reason is ExitReason.UNSAVED_STOP:
+            message = f"{unsaved}running the same command again {resumes_from(self.store)}"
+        else:  # the policy's words: requeued, budget exhausted, checkpointed
+            saved = outcome.confirmed is not None and outcome.confirmed.progress is not None
+            message = verdict if saved else unsaved + verdict
+        quiet = reason in (ExitReason.FINISHED, ExitReason.REQUEUED, ExitReason.CHECKPOINTED,
+                           ExitReason.NO_PROGRESS)
+        return self._exit(reason, message, error=not quiet, command_code=outcome.exit_code)
 
     def _lost_nodes(self, outcome: CycleOutcome) -> list[object]:
         """The nodes of the job lost by the end of a cycle that failed, hung or never had its
@@ -269,27 +265,23 @@ class Supervisor:
         append_event(self.store.events_path, "node-lost", cycle=self.cycles,
                      nodes=[str(node) for node in lost])
         verdict = self.policy.after_node_loss(lost, restarts)
-        if verdict.decision is Decision.REQUEUED:
-            return self._exit(0, ExitReason.REQUEUED, verdict.message)
-        if verdict.decision is Decision.BUDGET_EXHAUSTED:
-            return self._exit(EX_TEMPFAIL, ExitReason.BUDGET_EXHAUSTED, verdict.message,
-                              error=True)
-        return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED, verdict.message, error=True)
+        reason = after_node_loss(verdict.decision)
+        return self._exit(reason, verdict.message, error=reason is not ExitReason.REQUEUED)
 
     def _after_unrequested_exit(self, outcome: CycleOutcome, restarts: int) -> RunResult | None:
         """The result for a command that exited without being asked to; None to restart it."""
         code = outcome.exit_code
         if outcome.forwarded:
-            return self._exit(code, ExitReason.INTERRUPTED,
+            return self._exit(ExitReason.INTERRUPTED, command_code=code, message=
                               f"the command exited with {code} after "
                               f"{', '.join(outcome.forwarded)}")
         if code == 0:
             if not outcome.connected:
-                return self._exit(0, ExitReason.FINISHED, "the command exited 0")
+                return self._exit(ExitReason.FINISHED, "the command exited 0")
             if os.environ.get(ctl.ENV_CHECK):
-                return self._exit(0, ExitReason.FINISHED, "the command exited 0 at the step "
+                return self._exit(ExitReason.FINISHED, "the command exited 0 at the step "
                                   "procckpt check ended it")
-            return self._exit(0, ExitReason.FINISHED,
+            return self._exit(ExitReason.FINISHED,
                               "the command exited 0 before the end of its training loop "
                               "(ckpt.epochs(), steps() or batches(); a break?), so the run is "
                               "not marked complete and running it again "
@@ -306,7 +298,7 @@ class Supervisor:
             self._last_failure = where
             if self._same_failures >= SAME_FAILURE_LIMIT:
                 codes = sorted(set(self._failure_codes))
-                return self._exit(code, ExitReason.FAILED,
+                return self._exit(ExitReason.FAILED, command_code=code, message=
                                   f"the command failed {self._same_failures} times in a row "
                                   f"(exit code{'s' if len(codes) > 1 else ''} "
                                   f"{', '.join(map(str, codes))}) with no new checkpoint in "
@@ -324,7 +316,7 @@ class Supervisor:
                 f"restart{'' if restarts == 1 else 's'} in this launch)"
                 if self.config.restart_on_failure
                 else ", not restarted (see --restart-on-failure)")
-        return self._exit(code, ExitReason.FAILED,
+        return self._exit(ExitReason.FAILED, command_code=code, message=
                           f"the command {ended}{hint}; running the same command again "
                           f"{resumes_from(self.store, verb='resumes')}", error=True)
 
@@ -345,8 +337,12 @@ class Supervisor:
         return None if script is None else ("ended before the command connected to procckpt:"
                                             f" a slow start ({script} imports procckpt)")
 
-    def _exit(self, code: int, reason: ExitReason, message: str, error: bool = False,
-              ) -> RunResult:
+    def _exit(self, reason: ExitReason, message: str, error: bool = False,
+              command_code: int = 0) -> RunResult:
+        """End the run: its exit code from decide.py's table (the command's own where the
+        table says so), journalled, said, and handed to node 0's followers."""
+        code = EXIT_CODES[reason]
+        code = command_code if code is None else code
         if self.board is not None:
             self.board.exited(code, message)
         append_event(self.store.events_path, "exit", code=code, reason=reason.value,
