@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit bench gpu-check venv clean
+.PHONY: demo test unit lint bench gpu-check venv clean
 
 venv: $(VENV)/.installed
 
@@ -17,12 +17,18 @@ $(VENV)/.installed: pyproject.toml
 demo: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
-test: venv
+test: venv lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) tests
 
 # The unit tests alone (tests/README.md): under a minute, for the edit-test loop.
-unit: venv
+unit: venv lint
 	$(PY) -m pytest -m unit -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+# The style the code is written in (shared/STYLE.md): line length, imports, function size and
+# complexity (ruff, pyproject.toml), and the package's types (mypy).
+lint: venv
+	$(VENV)/bin/ruff check src tests benchmarks tools examples
+	$(VENV)/bin/mypy
 
 # Every benchmark at this commit, one after the other, into BENCHMARKS.md (~40 minutes; run it
 # on a quiet machine: benchmarks/README.md).

@@ -26,10 +26,9 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-
-from ranks import run_ranks  # benchmarks/ is sys.path[0] when run as a script
 
 MODELS = {
     "small MLP 32-64-8 (2.6k params), batch 16": (32, 64, 16),
@@ -51,9 +50,8 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import procckpt
-    from procckpt.training.distributed import RankAgreement, Flags
-
     from procckpt.store import CheckpointStore
+    from procckpt.training.distributed import Flags, RankAgreement
 
     if rank == 0:
         CheckpointStore(tmp).open()  # what `procckpt run` prepares

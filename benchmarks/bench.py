@@ -45,10 +45,10 @@ from typing import Any
 import psutil
 import torch
 
-from procckpt.store import checksum
 from procckpt.protocol.events import read_events
-from procckpt.training.io.writer import StreamingFileWriter
+from procckpt.store import checksum
 from procckpt.training.checkpointer import Checkpointer
+from procckpt.training.io.writer import StreamingFileWriter
 
 __all__ = ["main"]
 
@@ -421,7 +421,7 @@ class PythonHeavyLoop:
         return steps / (time.perf_counter() - started)
 
 
-def bench_gil(size: int, repeats: int, work: Path, log: Callable[[str], None],
+def bench_gil(size: int, repeats: int, work: Path, log: Callable[[str], None],  # noqa: PLR0915 (a benchmark, read top to bottom)
               ) -> dict[str, float]:
     shm_dir = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
     src = shm_dir / f"procckpt-bench-{os.getpid()}.bin"
@@ -650,7 +650,7 @@ def verdict(value: float, target: float) -> str:
     return "ok" if value <= target else "MISSED"
 
 
-def report(sizes: list[SizeResult], gil: dict[str, float] | None,
+def report(sizes: list[SizeResult], gil: dict[str, float] | None,  # noqa: PLR0915 (one report, section by section)
            launcher: LauncherResult | None, info: dict[str, str], markdown: bool) -> str:
     lines: list[str] = []
     cols = [human(s.size) for s in sizes]
@@ -804,7 +804,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["worker"]:
         worker_main(argv[1:])
         return 0
-    p = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python benchmarks/bench.py",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--sizes", help="state sizes, e.g. 64MiB,1GiB [64MiB,1GiB and 4GiB when "
                                    "memory allows]")
     p.add_argument("--repeats", type=int, default=5, help="repeats per measurement [5]")

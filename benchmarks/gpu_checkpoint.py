@@ -47,6 +47,7 @@ warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a
 
 from bench import interleaved, parse_size, raw_write  # noqa: E402 - benchmarks/ is sys.path[0]
 
+
 def make_model(size: int, hidden: int, device: str) -> torch.nn.Module:
     per_layer = 3 * (hidden * hidden + hidden) * 4  # parameters + Adam's two moments, float32
     layers = max(1, round(size / per_layer))

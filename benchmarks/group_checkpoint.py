@@ -38,10 +38,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.nn.parallel import DistributedDataParallel
-
 from bench import nontemporal_copies  # benchmarks/ is sys.path[0] when run as a script
 from ranks import run_ranks
+from torch.nn.parallel import DistributedDataParallel
 
 MiB = 1 << 20
 KINDS = ("procckpt async", "procckpt sync", "dcp async_save", "dcp save", "stop durable",
@@ -54,17 +53,17 @@ def slowest(seconds: float) -> float:
     return float(t)
 
 
-def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str,
+def worker(rank: int, world: int, port: int, args: argparse.Namespace, work: str,  # noqa: C901, PLR0915 (one rank's benchmark, read top to bottom)
            results: mp.Queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), PROCCKPT_LOG_LEVEL="WARNING")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import torch.distributed.checkpoint as dcp
+    from bench import TensorState, interleaved, parse_size, raw_write  # on sys.path
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     import procckpt
-    from bench import TensorState, interleaved, parse_size, raw_write  # on sys.path
     from procckpt.protocol.events import read_events
 
     state = TensorState(parse_size(args.size))

@@ -56,9 +56,8 @@ def stream_loader(args: argparse.Namespace) -> object:
     """The stream's loader: Hugging Face's streamed files through a ShuffleBuffer and a
     StatefulDataLoader (``stream``), or the plain iterable (``stream-plain``), 2 workers."""
     sys.path.insert(0, str(EXAMPLES))
-    import streaming_train as example
-
     import procckpt
+    import streaming_train as example
 
     files = sorted(Path(args.data).glob("*.jsonl"))
     example.READ_COST = args.sample_cost

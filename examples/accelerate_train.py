@@ -82,8 +82,7 @@ def main() -> None:
                 time.sleep(3600)  # stuck: only the hang timeout ends this
             print(f"step {step}", flush=True)
     if args.fsdp:  # every rank takes part in gathering the full weights
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))

@@ -99,8 +99,7 @@ def main() -> None:
         if loss is not None:
             print(f"epoch {epoch} loss {loss.item():.4f}", flush=True)
     if args.fsdp and group:
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))

@@ -93,7 +93,8 @@ def main() -> None:
 
     torch.manual_seed(0)
     model = Classifier(args.step_sleep, args.hang_at_step, Path("hung-once"), args.frozen_base)
-    train = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True, num_workers=args.workers)
+    train = DataLoader(framework_common.NoisyBlobs(args.n), batch_size=8, shuffle=True,
+                       num_workers=args.workers)
     val = DataLoader(framework_common.NoisyBlobs(32, seed=2), batch_size=16)
 
     cb = ProcckptCallback()
@@ -112,8 +113,7 @@ def main() -> None:
     trainer.fit(model, train, val, ckpt_path=cb.resume_from)
     state = model.state_dict()
     if args.fsdp:  # every rank takes part in gathering the full weights
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                      cpu_offload=True))

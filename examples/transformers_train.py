@@ -17,8 +17,13 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from transformers import (BertConfig, BertForSequenceClassification, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 import framework_common
 from procckpt.integrations.transformers import ProcckptCallback

@@ -1,4 +1,4 @@
-"""The benchmark's smoke run (benchmarks/bench.py, outside the package): every section runs at a tiny size and prints its rows.
+"""The benchmark's smoke run (benchmarks/bench.py): every section runs at a tiny size, prints rows.
 The real numbers come from a full run (see BENCHMARKS.md), never from the test suite. ~30 s."""
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from procckpt.launcher.config import OPTIONS, load_config
 from procckpt.errors import UsageError
+from procckpt.launcher.config import OPTIONS, load_config
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -161,11 +161,13 @@ def test_k8s_grace_is_read_like_runs(capsys: pytest.CaptureFixture[str]):
     job = yaml.safe_load(capsys.readouterr().out)
     pod = job["spec"]["template"]["spec"]
     assert pod["terminationGracePeriodSeconds"] >= 90
-    assert "90" in pod["containers"][0]["command"][pod["containers"][0]["command"].index("--grace") + 1]
+    command = pod["containers"][0]["command"]
+    assert "90" in command[command.index("--grace") + 1]
     # No --grace: the run's default for the limit (a quarter of a short one).
     assert main([*k8s, "--time-limit", "2m", "--", "python", "t.py"]) == 0
     pod = yaml.safe_load(capsys.readouterr().out)["spec"]["template"]["spec"]
-    assert "30" in pod["containers"][0]["command"][pod["containers"][0]["command"].index("--grace") + 1]
+    command = pod["containers"][0]["command"]
+    assert "30" in command[command.index("--grace") + 1]
     assert main([*k8s, "--grace", "2m", "--time-limit", "1m", "--", "x"]) == 2
     assert "grace (120s) must be shorter than the time limit (60s)" in capsys.readouterr().err
 

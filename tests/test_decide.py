@@ -8,8 +8,15 @@ import re
 
 import pytest
 
-from procckpt.launcher.decide import (EXIT_CODES, NO_PROGRESS_CYCLES, Action, RunSoFar,
-                                      after_cycle, after_node_loss, after_verdict)
+from procckpt.launcher.decide import (
+    EXIT_CODES,
+    NO_PROGRESS_CYCLES,
+    Action,
+    RunSoFar,
+    after_cycle,
+    after_node_loss,
+    after_verdict,
+)
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.restart import Decision, StopCause
 from procckpt.launcher.results import CycleOutcome, ExitReason

@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from procckpt import Checkpointer
+from procckpt.errors import ProcckptError, StorageError, UsageError
+from procckpt.store.files import file_crc32
 from procckpt.training import distributed as pd
 from procckpt.training.distributed import coordinator, dcp_files, dcp_plans, sharded
-from procckpt.store.files import file_crc32
 from procckpt.training.distributed.setup import _local_world_size, default_backend
-from procckpt.errors import ProcckptError, StorageError, UsageError
 
 from .harness.slurm_cluster import free_port
 
@@ -227,7 +227,7 @@ def test_a_save_plan_is_reused_while_the_layout_stays_and_remade_when_it_changes
 # -- two ranks -------------------------------------------------------------------------------
 
 
-def _scenarios(rank: int, port: int, root: str, results: Any) -> None:
+def _scenarios(rank: int, port: int, root: str, results: Any) -> None:  # noqa: C901, PLR0915 (the scenarios, one after another)
     """Each rank runs the same scenarios in the same order (they are collective)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", PROCCKPT_LOG_LEVEL="WARNING")
     torch.set_num_threads(1)

@@ -14,21 +14,21 @@ from pathlib import Path
 
 import pytest
 
+from procckpt.errors import UsageError
+from procckpt.launcher.child import Child
+from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.dmtcp import (
     CKPT_SIGNAL,
     DmtcpEngine,
     DmtcpError,
     DmtcpTools,
     clean_env,
-    saved_files,
     find_dmtcp,
+    forks,
+    saved_files,
 )
-from procckpt.errors import UsageError
-from procckpt.launcher.child import Child
-from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.dmtcp.coordinator import Coordinator
 from procckpt.launcher.engines.dmtcp.cycle import Cycle, Job
-from procckpt.launcher.engines.dmtcp import forks
 from procckpt.launcher.engines.dmtcp.forks import own_processes
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore

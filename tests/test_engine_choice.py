@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from procckpt.errors import UsageError
 from procckpt.launcher.engines.choice import choose_engine, cuda_visible, imports_procckpt
 from procckpt.launcher.engines.dmtcp import DmtcpTools
-from procckpt.errors import UsageError
 from procckpt.store import CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).

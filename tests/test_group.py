@@ -14,8 +14,8 @@ import pytest
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.follower import Follower
 from procckpt.launcher.results import ExitReason
-from procckpt.protocol.events import read_events
 from procckpt.protocol import group
+from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
 from .test_supervisor import Cycle, supervise

@@ -18,15 +18,19 @@ import pytest
 import torch
 
 from procckpt import Checkpointer
-from procckpt.training.io import mapped as io_mapped
 from procckpt.errors import UsageError
-from procckpt.training.io.arena import HostArena, NotSnapshottable
-from procckpt.training.io.fence import ENV_OVERLAP, StepFence
-from procckpt.training.io.background import (BackgroundSaver, BackgroundWriteError, WriteResult,
-                                             async_wanted)
-from procckpt.training.io.direct import ENV_DIRECT
-from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
 from procckpt.store import CheckpointStore
+from procckpt.training.io import mapped as io_mapped
+from procckpt.training.io.arena import HostArena, NotSnapshottable
+from procckpt.training.io.background import (
+    BackgroundSaver,
+    BackgroundWriteError,
+    WriteResult,
+    async_wanted,
+)
+from procckpt.training.io.direct import ENV_DIRECT
+from procckpt.training.io.fence import ENV_OVERLAP, StepFence
+from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
 
 from .conftest import mounted_tmpfs
 

@@ -9,9 +9,9 @@ strict field validation (kubectl's default since 1.27) would reject it the same 
 from __future__ import annotations
 
 import difflib
+import re
 import subprocess
 import sys
-import re
 from pathlib import Path
 from typing import Any
 

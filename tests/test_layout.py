@@ -149,16 +149,6 @@ def test_every_module_says_its_job_first():
         assert doc and doc.splitlines()[0].strip(), f"{path} has no one-line docstring"
 
 
-#: Past this a module usually does more than one job; split it (docs/architecture.md).
-MAX_MODULE_LINES = 450
-
-
-def test_no_module_is_too_long_to_read_at_once():
-    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
-
-
 def test_importing_procckpt_imports_no_framework():
     """The frameworks are optional: the Checkpointer works without Lightning, Transformers or
     Accelerate installed, so nothing but the user's own import of an integration loads them."""

@@ -1,4 +1,4 @@
-"""training/position/progress.py through the Checkpointer, in one process with a real checkpoint dir:
+"""training/position/progress.py through the Checkpointer, in one process, a real checkpoint dir:
 ``steps()`` resumes at the saved step with the saved random streams, alone and inside
 ``epochs()``, and a resume says when the script drew random numbers before its loop."""
 

@@ -16,7 +16,6 @@ import pytest
 
 from procckpt.launcher.config import RunConfig
 from procckpt.launcher.restart import Decision, StopCause
-from procckpt.schedulers.slurm.nodes import lost_nodes
 from procckpt.schedulers.slurm import (
     JobRecord,
     SlurmDeadline,
@@ -31,6 +30,7 @@ from procckpt.schedulers.slurm import (
     slurm_env,
     startup_warnings,
 )
+from procckpt.schedulers.slurm.nodes import lost_nodes
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit

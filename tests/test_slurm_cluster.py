@@ -212,7 +212,8 @@ def test_scancel_sends_cont_then_term_to_every_process_then_kill(
         # run in is not the order sent: when both are pending before the process is scheduled,
         # Linux runs the lower-numbered one (SIGTERM, 15) first (seen in CI), so check both.
         assert sorted(names[:2]) == ["SIGCONT", "SIGTERM"], (role, got)
-        assert max(t for _, t in got[:2]) - t_cancel < 15  # generous: the machine is shared and noisy
+        # Generous: the machine is shared and noisy.
+        assert max(t for _, t in got[:2]) - t_cancel < 15
     # Both ignore SIGTERM: SIGKILL follows after KillWait.
     for role, pid in pids.items():
         assert pid_gone(pid, slurm_cluster.kill_wait + 20), f"{role} {pid} survived scancel"

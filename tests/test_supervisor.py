@@ -16,13 +16,12 @@ from procckpt.launcher.config import RunConfig
 from procckpt.launcher.deadline import Deadline, LocalDeadline, NoDeadline
 from procckpt.launcher.engines import Confirmation, Engine
 from procckpt.launcher.interval import FIRST_AUTO_MAX, young_daly
-from procckpt.protocol.control import Heartbeat
-from procckpt.protocol.group import LeaderBoard
-from procckpt.protocol.events import append_event
-from procckpt.protocol.events import read_events
 from procckpt.launcher.restart import Decision, LocalRestart, Verdict
-from procckpt.store import CheckpointStore
 from procckpt.launcher.supervisor import ExitReason, Supervisor
+from procckpt.protocol.control import Heartbeat
+from procckpt.protocol.events import append_event, read_events
+from procckpt.protocol.group import LeaderBoard
+from procckpt.store import CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit

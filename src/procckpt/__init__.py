@@ -8,8 +8,8 @@ __version__ = "0.1.0"
 __all__ = ["Checkpointer", "Sharded", "ShuffleBuffer", "init_distributed", "__version__"]
 
 if TYPE_CHECKING:
-    from .training.distributed import Sharded, init_distributed
     from .training.checkpointer import Checkpointer
+    from .training.distributed import Sharded, init_distributed
     from .training.position.shuffle_buffer import ShuffleBuffer
 
 

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
 from . import __version__
-from .launcher.config import (CONFIG_FILE, OPTIONS, Option, RunConfig,
-                              load_config, shown_default)
-from .launcher.deadline import Deadline
 from .errors import EX_USAGE, ProcckptError, UsageError
-from .log import setup_logging
+from .launcher.config import CONFIG_FILE, OPTIONS, Option, RunConfig, load_config, shown_default
+from .launcher.deadline import Deadline
 from .launcher.restart import RestartPolicy
+from .log import setup_logging
 
 __all__ = ["main", "cli"]
 
@@ -104,7 +103,8 @@ def sbatch(ctx: click.Context, **_: Any) -> None:
     but --time-limit (the job's -t is the limit), --force and --node-rank is passed on to
     procckpt run, and procckpt.yaml and PROCCKPT_* are read for the --signal lead as the job
     will read them. A COMMAND that is a job script with #SBATCH lines is wrapped: its #SBATCH
-    lines are kept. Pyxis options (--container-image, --container-name, --container-mounts, ...) run procckpt inside the
+    lines are kept. Pyxis options (--container-image, --container-name, --container-mounts, ...)
+    run procckpt inside the
     container with srun; the job script requeues from outside.
 
     \b

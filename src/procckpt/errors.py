@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 __all__ = [
     "ProcckptError",
@@ -115,8 +116,8 @@ def exiting(error: ProcckptError) -> ProcckptError:
         both = type(cls.__name__, (cls, SystemExit), {"__module__": cls.__module__,
                                                       "__qualname__": cls.__qualname__})
         _EXITING[cls] = both
-    exit_error = both.__new__(both)
+    exit_error: Any = BaseException.__new__(both)
     exit_error.args = error.args
     exit_error.__dict__.update(error.__dict__)
-    exit_error.code = error.exit_code  # type: ignore[attr-defined]
+    exit_error.code = error.exit_code
     return exit_error

@@ -13,8 +13,15 @@ from pathlib import Path
 import pytest
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
-from ..harness.processes import (LOADER, TINY, alone, events, one_error_line, procckpt_lines,
-                                 wait_for_line)
+from ..harness.processes import (
+    LOADER,
+    TINY,
+    alone,
+    events,
+    one_error_line,
+    procckpt_lines,
+    wait_for_line,
+)
 
 
 def test_missing_command_exits_127_with_one_line(workdir: Path):

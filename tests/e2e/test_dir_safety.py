@@ -16,8 +16,18 @@ from pathlib import Path
 import pytest
 
 from ..conftest import assert_bit_identical, mounted_tmpfs, procckpt_argv, run
-from ..harness.processes import (NO_DAC, TINY, alone, events, fill, needs_setpriv, one_error_line,
-                                 reference, start, wait_for_line)
+from ..harness.processes import (
+    NO_DAC,
+    TINY,
+    alone,
+    events,
+    fill,
+    needs_setpriv,
+    one_error_line,
+    reference,
+    start,
+    wait_for_line,
+)
 
 
 @pytest.fixture

@@ -27,8 +27,7 @@ import pytest
 from procckpt.protocol.events import read_events
 from procckpt.store import file_crc32
 
-from ..conftest import (EXAMPLES, PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv,
-                        run)
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, REPO, assert_bit_identical, procckpt_argv, run
 
 NO_DMTCP = ("DMTCP is not installed (no dmtcp_launch on PATH); `module load dmtcp` or build "
             "it from https://github.com/dmtcp/dmtcp")

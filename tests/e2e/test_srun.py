@@ -15,8 +15,8 @@ import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical
 from ..harness.slurm_cluster import SlurmCluster
-from .test_slurm import Job, JobWatcher, procckpt_sbatch
 from .test_frameworks import needs, reference
+from .test_slurm import Job, JobWatcher, procckpt_sbatch
 from .test_torchrun import SHAPE, assert_same_run, uninterrupted
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

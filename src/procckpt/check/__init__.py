@@ -25,8 +25,7 @@ from pathlib import Path
 from ..errors import CommandNotFoundError, UsageError
 from ..protocol.control import CHECK_UNSAVED as UNSAVED
 from ..protocol.control import keep_unsaved_advice
-from .runs import CheckInterrupted, Run, Runner, Signalled, last_step, signals_held, \
-    signals_raise
+from .runs import CheckInterrupted, Run, Runner, Signalled, last_step, signals_held, signals_raise
 
 __all__ = ["run_check", "Verdict", "CheckInterrupted"]
 

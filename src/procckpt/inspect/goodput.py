@@ -129,7 +129,7 @@ class _Launch:
     cycles: list[Cycle] = field(default_factory=list)
 
 
-def compute_goodput(events: Iterable[dict[str, Any]], now: float | None = None,
+def compute_goodput(events: Iterable[dict[str, Any]], now: float | None = None,  # noqa: C901 (one pass over the journal, a branch per event)
                     ) -> Goodput | None:
     """The breakdown of the run the journal ``events`` tells; None before its first launch.
 
@@ -210,7 +210,7 @@ def _old_ending(restart: dict[str, Any]) -> str:
     return {"failure": "failed", "hang": "hung"}.get(str(cause), "stopped")
 
 
-def _paint(c: Cycle) -> None:
+def _paint(c: Cycle) -> None:  # noqa: C901 (a branch per part of a cycle)
     """Cut the cycle ``c`` into segments from its training-side events."""
     marks: list[tuple[float, float, str]] = [(c.start, c.end, "training")]
     ready = restore = None

@@ -18,10 +18,10 @@ from typing import Any
 
 from ..durations import format_duration
 from ..errors import StoreError
-from .goodput import KINDS, Goodput, Segment, compute_goodput
 from ..protocol.events import read_events
-from .status import LABELS, damaged_journal, opened_for_reading, status_data
 from ..store.files import write_file_atomic
+from .goodput import KINDS, Goodput, Segment, compute_goodput
+from .status import LABELS, damaged_journal, opened_for_reading, status_data
 
 __all__ = ["render_report", "write_report", "COLOURS"]
 

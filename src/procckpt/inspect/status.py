@@ -4,15 +4,16 @@ in a table a person can read or (``--json``) one JSON object."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..durations import format_duration
-from ..errors import ProcckptError, CheckpointReadError, StoreError
-from .goodput import Goodput, compute_goodput
+from ..errors import CheckpointReadError, ProcckptError, StoreError
 from ..protocol.events import read_events, unreadable_lines
 from ..store import MARKER, CheckpointStore
 from ..store.store import format_size
+from .goodput import Goodput, compute_goodput
 
 __all__ = ["render_status", "status_data", "LABELS"]
 
@@ -248,7 +249,7 @@ def render_remote_status(url: str) -> str:
     return "\n".join(lines)
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     """The checkpoints' table: a blank line, then the header and rows in columns (the last
     one as it is); 'none yet' when only the header is there."""
     if len(rows) == 1:

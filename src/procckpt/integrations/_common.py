@@ -4,7 +4,6 @@ Checkpointer that resumed from that same one."""
 from __future__ import annotations
 
 import os
-
 from typing import Any
 
 from ..errors import ProcckptError

@@ -35,7 +35,7 @@ try:
     import lightning.pytorch as pl
 except ImportError:  # the older package name
     try:
-        import pytorch_lightning as pl  # type: ignore[no-redef]
+        import pytorch_lightning as pl
     except ImportError as e:
         raise ImportError("procckpt.integrations.lightning needs Lightning: "
                           "pip install 'procckpt[lightning]'") from e
@@ -197,11 +197,13 @@ class _LightningShards(Sharded):
         self._trainer = trainer  # its model and optimizers exist once the strategy set up
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
 
         strategy = self._trainer.strategy
-        state = {"state_dict": get_model_state_dict(strategy.model)}
+        state: dict[str, Any] = {"state_dict": get_model_state_dict(strategy.model)}
         for i, optimizer in enumerate(strategy.optimizers):
             optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
             state[f"optimizer_{i}"] = get_optimizer_state_dict(strategy.model, optimizer)
@@ -220,7 +222,7 @@ def _leave_requeue_to_procckpt(trainer: pl.Trainer) -> None:
         return  # run alone, Lightning's requeue may be all the job has
     # The connector's environment is the one fit() asks (there is no public handle); of
     # Lightning's environments only SLURMEnvironment has auto_requeue.
-    environment = getattr(trainer._accelerator_connector, "cluster_environment", None)
+    environment: Any = getattr(trainer._accelerator_connector, "cluster_environment", None)
     if getattr(environment, "auto_requeue", False):
         environment.auto_requeue = False
         if trainer.is_global_zero:
@@ -234,7 +236,7 @@ def _sharded_state(trainer: pl.Trainer) -> _LightningShards | None:
         ProcckptError: a sharded strategy procckpt does not save (FSDP1, DeepSpeed).
     """
     strategy = trainer.strategy
-    kinds = {name: getattr(pl.strategies, name, None)
+    kinds: dict[str, Any] = {name: getattr(pl.strategies, name, None)
              for name in ("ModelParallelStrategy", "FSDPStrategy", "DeepSpeedStrategy")}
     if kinds["ModelParallelStrategy"] and isinstance(strategy, kinds["ModelParallelStrategy"]):
         return _LightningShards(trainer)
@@ -308,4 +310,4 @@ def _position_train_loader(trainer: pl.Trainer, loop: DrivenLoop) -> None:
                 type(dataloader).__name__)
         return dataloader
 
-    strategy.process_dataloader = process_and_position  # type: ignore[method-assign]
+    strategy.process_dataloader = process_and_position

@@ -34,7 +34,8 @@ def _find_prctl() -> Callable[..., int] | None:
     # Looked up once, here: the function runs between fork and exec, where it should do as
     # little as possible.
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # type: ignore[no-any-return]
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+        return prctl
     except (OSError, AttributeError):
         return None  # not Linux: no such guard
 

@@ -234,7 +234,7 @@ def shown_default(option: Option) -> str:
     """The default of ``option`` as the help and docs show it."""
     if option.shown_default is not None:
         return option.shown_default
-    default = next(f.default for f in fields(RunConfig) if f.name == option.name)
+    default: Any = next(f.default for f in fields(RunConfig) if f.name == option.name)
     if option.kind != "value":
         return "off" if not default else "on"
     if default is None:

@@ -11,10 +11,16 @@ class Deadline:
 
     #: Where the end time comes from, for messages ("--time-limit 90s", "Slurm job 42").
     source: str = "no time limit"
-    #: The length of a cycle (the default grace is a quarter of it, at most 60 s).
-    limit: float | None = None
-    #: Seconds between the scheduler's SIGTERM and its SIGKILL, where it says.
-    kill_wait: float | None = None
+    @property
+    def limit(self) -> float | None:
+        """The length of a cycle (the default grace is a quarter of it, at most 60 s)."""
+        return None
+
+    @property
+    def kill_wait(self) -> float | None:
+        """Seconds between the scheduler's SIGTERM and its SIGKILL, where it says."""
+        return None
+
     #: Seconds before the end at which the job script's own signal comes, where it has one.
     signal_lead: float | None = None
     #: When the scheduler started this run of the job (epoch seconds), for the goodput.
@@ -42,8 +48,12 @@ class LocalDeadline(Deadline):
     """Each cycle may run ``limit`` seconds, as a scheduler's time limit would allow."""
 
     def __init__(self, limit: float) -> None:
-        self.limit = limit
+        self._limit = limit
         self.source = f"--time-limit {limit:g}s"
 
+    @property
+    def limit(self) -> float:
+        return self._limit
+
     def end(self, cycle_started: float, now: float) -> float | None:
-        return cycle_started + self.limit
+        return cycle_started + self._limit

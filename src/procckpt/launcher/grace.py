@@ -1,4 +1,4 @@
-"""How early the deadline's checkpoint is asked for: the given grace, or more if the training needs more.
+"""How early the deadline's checkpoint is asked for: the grace, or more if the training needs it.
 
 The request is seen at the next safe point, and that may be a while off: a step, or a
 validation pass and the epoch's end. So the launcher asks at ``deadline - max(grace, 1.5 x

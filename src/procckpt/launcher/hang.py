@@ -4,7 +4,8 @@ Progress is a step completed or the training thread's stack seen to move: the ho
 passes both to the launcher (``control/heartbeat.json``, at most every second; see
 training/link/liveness.py), so a validation pass or data preparation that runs Python code between
 safe points is no hang, and a thread blocked in a lock, a collective, a read or a sleep is.
-When neither has moved for the timeout, the launcher has every Python process of the command print its stacks into the
+When neither has moved for the timeout, the launcher has every Python process of the command print
+its stacks into the
 log (``faulthandler`` on SIGURG, registered by the Checkpointer; ``py-spy dump`` too when it
 is installed), stops the command and restarts it from its last checkpoint. ``auto`` is
 ``max(10 min, 50 x the median step time)``. In a process group any stuck rank stops rank 0 at

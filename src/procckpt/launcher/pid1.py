@@ -36,7 +36,7 @@ def reap_orphans(keep: Container[int]) -> list[tuple[int, int]]:
     Never blocks, and never calls ``waitpid(-1)``: that could take the supervised command's
     exit status away from its Popen object.
     """
-    reaped = []
+    reaped: list[tuple[int, int]] = []
     try:
         children = psutil.Process().children()
     except psutil.Error:

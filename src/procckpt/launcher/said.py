@@ -1,4 +1,4 @@
-"""What the launcher says of the checkpoint dir in its lines: where a rerun resumes from, whether the newest checkpoint is intact, the restart number."""
+"""What the launcher says of the checkpoint dir: where a rerun resumes, the newest intact one."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@
     SIGCONT         forwarded (Slurm sends it with SIGTERM to wake suspended jobs)
 
 A stop signal during the deadline's stop is kept: the run ends after that checkpoint
-(watch.py). USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses SIGUSR2
+(watch.py). USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses
+SIGUSR2
 internally, so the request reaches the training process through ``control/`` instead. Under
 ``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp/engine.py).
 docs/cli.md repeats the table for users.
@@ -43,7 +44,7 @@ class Action(enum.Enum):
 
 def signal_actions(checkpoint_signal: str) -> dict[int, Action]:
     """What each handled signal asks for; ``checkpoint_signal`` (``USR1``, ``TERM``) is a stop."""
-    table = {
+    table: dict[int, Action] = {
         signal.SIGTERM: Action.CHECKPOINT_STOP,
         signal.SIGUSR1: Action.CHECKPOINT_STOP,
         signal.SIGUSR2: Action.CHECKPOINT,

@@ -20,19 +20,18 @@ from pathlib import Path
 from ..durations import format_duration
 from ..errors import EX_DATAERR, EX_IOERR
 from ..protocol import control as ctl
-from ..protocol.group import LeaderBoard
 from ..protocol.events import append_event
+from ..protocol.group import LeaderBoard
 from ..store import CheckpointStore
 from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
+from .decide import EXIT_CODES, Action, RunSoFar, Step, after_cycle, after_node_loss, after_verdict
 from .engines import Engine
 from .engines.choice import imports_procckpt
 from .hang import HangWatch, dump_stacks
 from .plan import CheckpointPlan
-from .decide import (EXIT_CODES, Action, RunSoFar, Step, after_cycle, after_node_loss,
-                     after_verdict)
 from .restart import RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult, exit_words
 from .said import newest_intact, restart_number, resumes_from
@@ -369,7 +368,8 @@ class Supervisor:
         # A torch.compile'd model would compile again after every restart (on a new node, a
         # fresh /tmp): its kernels are kept beside the checkpoints unless the user chose a place.
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.store.root / INDUCTOR_CACHE_DIR))
-        env.update({ctl.ENV_DIR: str(self.store.root), ctl.ENV_RESTART: str(restart_number(self.store, restarts)),
+        env.update({ctl.ENV_DIR: str(self.store.root),
+                    ctl.ENV_RESTART: str(restart_number(self.store, restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
         if self.board is not None:  # the other nodes start their part with the same env
             self.board.running(token, self.cycles, {
@@ -418,7 +418,7 @@ class Supervisor:
         outcome.retry = self.engine.after_exit(outcome.exit_code, requested or signalled,
                                                signalled)
         complete = self.store.completion()
-        outcome.finished = bool(complete) and complete.get("token") in (token, None)
+        outcome.finished = bool(complete) and (complete or {}).get("token") in (token, None)
         outcome.lost_nodes = self._lost_nodes(outcome)
         if self.board is not None:
             self.board.between()

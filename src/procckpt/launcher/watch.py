@@ -1,4 +1,4 @@
-"""Watching one cycle's command: signals, the deadline, periodic checkpoints, the stop's grace, hangs.
+"""Watching one cycle's command: signals, deadline, periodic checkpoints, the stop's grace, hangs.
 
 The watch ends when the command exits, or when the launcher stopped it: after its checkpoint
 was confirmed (or the grace ran out), or after it hung. What happened is its

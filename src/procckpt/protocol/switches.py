@@ -1,4 +1,4 @@
-"""On/off switches the training side reads from its environment, which the launcher checks before it starts anything."""
+"""On/off switches the training reads from its environment, checked by the launcher first."""
 
 from __future__ import annotations
 

@@ -100,7 +100,7 @@ class K8sJobSpec:
     def checkpoint_dir(self) -> str:
         return self.dir or f"{self.mount_path.rstrip('/')}/{self.name}"
 
-    def validate(self) -> None:
+    def validate(self) -> None:  # noqa: C901 (one independent check per field)
         """Raise UsageError for what the API server would reject, with what to do instead."""
         if not self.command:
             raise UsageError("no command given: put it after --, e.g. procckpt k8s --image IMG "

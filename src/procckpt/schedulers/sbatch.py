@@ -37,9 +37,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..launcher.config import (DEFAULT_GRACE, OPTIONS, PASSED_ON, SBATCH_OWN, RunConfig,
-                               check_grace, load_config)
 from ..errors import EX_TEMPFAIL, ProcckptError, UsageError
+from ..launcher.config import (
+    DEFAULT_GRACE,
+    OPTIONS,
+    PASSED_ON,
+    SBATCH_OWN,
+    RunConfig,
+    check_grace,
+    load_config,
+)
 from .slurm import ENV_CHAIN, ENV_END_TIME, parse_time_limit, sbatch_directives
 
 __all__ = ["SbatchSpec", "parse_sbatch_args", "render_job_script", "submit", "sbatch_main"]
@@ -150,7 +157,7 @@ def _signal_parts(spec: str) -> tuple[str, str, str]:
     return flags.upper(), sig.upper().removeprefix("SIG"), at
 
 
-def parse_sbatch_args(argv: list[str]) -> SbatchSpec:
+def parse_sbatch_args(argv: list[str]) -> SbatchSpec:  # noqa: C901 (a branch per kind of argument)
     """Sort ``procckpt sbatch`` arguments; see the module docstring.
 
     Raises:

@@ -1,8 +1,14 @@
 """The checkpoint directory: atomic, verified, keep-N checkpoints, the lock and the markers.
 Used by both sides; imports neither."""
 
-from .files import (file_crc32, fsync_dir, lasting_write_error, read_small_file,
-                    read_with_retries, write_file_atomic)
+from .files import (
+                    file_crc32,
+                    fsync_dir,
+                    lasting_write_error,
+                    read_small_file,
+                    read_with_retries,
+                    write_file_atomic,
+)
 from .lock import DirLock
 from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .pending import PendingCheckpoint

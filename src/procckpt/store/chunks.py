@@ -35,6 +35,7 @@ from .files import READ_RETRY_PAUSES, fsync_dir, read_with_retries
 
 __all__ = ["ChunkStore", "ChunkDamaged", "HASH", "chunk_id_problem", "digest_of", "file_digest"]
 
+_blake3: Any
 try:
     import blake3 as _blake3
 except ImportError:  # a platform without its wheel: the standard library's hash

@@ -1,4 +1,4 @@
-"""File primitives of the store: atomic writes, no links followed, bounded reads, retried reads, CRC-32.
+"""The store's file primitives: atomic writes, no links followed, bounded and retried reads, CRC-32.
 
 Every file procckpt writes is new (``O_EXCL``) and opened without following links; every
 small file it reads must be a regular file of bounded size, so a link or a device planted in
@@ -21,8 +21,8 @@ from ..errors import CheckpointReadError, StorageError
 from .checksum import crc32 as checksum_crc32
 
 __all__ = ["fsync_dir", "plain_name", "read_small_file", "open_new_file", "lasting_write_error",
-           "read_with_retries", "write_file_atomic", "ChecksumWriter", "file_crc32", "READ_RETRY_PAUSES",
-           "format_size", "modified"]
+           "read_with_retries", "write_file_atomic", "ChecksumWriter", "file_crc32",
+           "READ_RETRY_PAUSES", "format_size", "modified"]
 
 logger = logging.getLogger(__name__)
 

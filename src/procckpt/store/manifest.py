@@ -88,7 +88,7 @@ class CheckpointInfo:
         return self.path / name
 
 
-def manifest_problem(manifest: Any) -> str | None:
+def manifest_problem(manifest: Any) -> str | None:  # noqa: C901 (one independent check per field)
     """What is wrong with the shape of a parsed manifest, or None: every field procckpt reads
     must have the type it expects, and every file must be a plain name in the checkpoint."""
     if not isinstance(manifest, dict):
@@ -100,8 +100,8 @@ def manifest_problem(manifest: Any) -> str | None:
         if not plain_name(name) or name == MANIFEST:
             return f"file name {name!r} is not a plain name inside the checkpoint"
         if not isinstance(entry, dict) or not all(
-                isinstance(entry.get(k), int) and not isinstance(entry.get(k), bool)
-                and entry.get(k) >= 0 for k in ("bytes", "crc32")):
+                isinstance(value := entry.get(k), int) and not isinstance(value, bool)
+                and value >= 0 for k in ("bytes", "crc32")):
             return f"entry of {name!r} has no whole-number bytes and crc32"
     chunks = manifest.get("chunks")
     if chunks is not None:

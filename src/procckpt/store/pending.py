@@ -20,9 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from .files import (ChecksumWriter, file_crc32, fsync_dir, open_new_file, plain_name,
-                    write_file_atomic)
 from .chunks import ChunkStore
+from .files import (
+    ChecksumWriter,
+    file_crc32,
+    fsync_dir,
+    open_new_file,
+    plain_name,
+    write_file_atomic,
+)
 from .manifest import CHUNKED_FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 
 __all__ = ["PendingCheckpoint"]

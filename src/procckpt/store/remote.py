@@ -152,7 +152,8 @@ class S3Tier:
     def _listed(self) -> tuple[list[str], list[str]]:
         """One listing of the prefix's manifests: the committed checkpoints (newest first)
         and the set-aside ones (``ckpt-N.corrupt``)."""
-        names, aside = [], []
+        names: list[str] = []
+        aside: list[str] = []
         with self._failing("listing"):
             pages = self._client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.bucket, Prefix=self._key("checkpoints") + "/")
@@ -189,8 +190,8 @@ class S3Tier:
     def fetch(self, name: str, ckpt_root: Path, chunks: ChunkStore) -> str | None:
         """Download remote checkpoint ``name`` into ``ckpt_root`` (its chunks into
         ``chunks``), every object checked against its hash; None, or why it cannot be used."""
-        manifest = self.manifest(name)
-        objects = (manifest or {}).get("objects")
+        manifest = self.manifest(name) or {}
+        objects = manifest.get("objects")
         if not isinstance(objects, dict) or set(objects) != set(manifest.get("files", {})):
             return "its manifest is missing or malformed"
         tmp = ckpt_root / f".tmp-fetch-{name}-{uuid.uuid4().hex[:8]}"

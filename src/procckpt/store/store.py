@@ -1,4 +1,4 @@
-"""The checkpoint directory: open it, list and verify its checkpoints, keep N, quarantine, fall back.
+"""The checkpoint dir: open it, list and verify its checkpoints, keep N, quarantine, fall back.
 
 Layout of a checkpoint directory::
 
@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
       .procckpt                 marker: this directory belongs to procckpt (format version)
       lock                      flock()ed by the process that owns the run; says who in its text
       events.jsonl              the journal (see protocol/events.py)
-      control/                  launcher <-> training process requests and acks (see protocol/control.py)
+      control/                  requests and acks between the launcher and the training
+                                (see protocol/control.py)
       COMPLETE                  written once the training finished
       checkpoints/
         ckpt-00000007/          one directory per checkpoint, named by a sequence number
@@ -36,14 +37,27 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointReadError, StoreError
-from .files import (READ_RETRY_PAUSES, file_crc32, format_size, modified,
-                    read_small_file, read_with_retries, write_file_atomic)
 from .chunks import ChunkStore
-from .lock import DirLock
-from .manifest import (FORMAT_VERSION, FROZEN_SHARDS, MANIFEST, READABLE_FORMATS,
-                       CheckpointInfo, manifest_problem)
-from .pending import PendingCheckpoint
 from .completion import COMPLETE, Completion
+from .files import (
+    READ_RETRY_PAUSES,
+    file_crc32,
+    format_size,
+    modified,
+    read_small_file,
+    read_with_retries,
+    write_file_atomic,
+)
+from .lock import DirLock
+from .manifest import (
+    FORMAT_VERSION,
+    FROZEN_SHARDS,
+    MANIFEST,
+    READABLE_FORMATS,
+    CheckpointInfo,
+    manifest_problem,
+)
+from .pending import PendingCheckpoint
 from .remote import ENV_LOCAL, S3Tier, marked_remote
 
 __all__ = ["CheckpointStore", "MARKER", "COMPLETE", "format_size"]
@@ -65,7 +79,7 @@ class CheckpointStore(Completion):
     """A checkpoint directory. ``open()`` must be called before anything else."""
 
     def __init__(self, root: str | os.PathLike[str], *, keep: int = 2,
-                 journal: Callable[..., None] | None = None, remote: str | None = None) -> None:
+                 journal: Callable[..., object] | None = None, remote: str | None = None) -> None:
         """``journal(path, kind, **fields)`` records what the store did to the dir (a
         checkpoint moved aside, the run archived) in the journal at ``path``; the owners of
         the dir pass the protocol's ``append_event`` (the store is below the protocol).

@@ -8,7 +8,8 @@
 The Checkpointer is the front of the training side; its parts do the work: ``loops`` (the
 three loops), ``progress`` (position and random streams), ``triggers`` (what asks for a
 checkpoint), ``saving``, ``resume`` and ``payload`` (what ``state.pt`` holds), ``liveness`` and
-``timing`` (for the launcher). It saves only at safe points: after each batch that ``batches`` yielded, and at each epoch's end.
+``timing`` (for the launcher). It saves only at safe points: after each batch that ``batches``
+yielded, and at each epoch's end.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from .fingerprints import check_hook
 from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote
 from .link.failures import open_control
 from .link.liveness import Liveness, NoLiveness
-from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
+from .link.timing import CycleTimer
+from .link.triggers import SaveTriggers
 from .member import CheckpointerAsMember
+from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .position.progress import Progress
 from .position.resplit import BEFORE
 from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
 from .saving import Saves, background_savers, frozen_chunks
-from .link.timing import CycleTimer
-from .link.triggers import SaveTriggers
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 

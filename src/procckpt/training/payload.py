@@ -1,4 +1,4 @@
-"""The hooks engine's checkpoint file: what ``state.pt`` holds, and loading it back into the statefuls.
+"""The hooks engine's checkpoint file: what ``state.pt`` holds, loaded back into the statefuls.
 
 ``state.pt`` is one ``torch.save`` of plain containers, tensors, numbers and strings, so that
 it loads with ``torch.load(weights_only=True)``::

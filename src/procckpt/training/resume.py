@@ -17,8 +17,8 @@ from ..errors import CheckpointCorruptError, CheckpointReadError, UsageError
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, read_with_retries
 from . import distributed as dist_
-from .link.context import force_requested
 from .io.mapped import MappedVerification, private_copy
+from .link.context import force_requested
 from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
 from .position.resplit import resplit_position
 

@@ -25,8 +25,8 @@ from .io.background import BackgroundSaver, WriteResult, async_wanted, staged
 from .io.fence import StepFence
 from .io.frozen import FrozenChunks
 from .io.writer import write_checkpoint
-from .payload import PAYLOAD
 from .link.triggers import SaveTriggers
+from .payload import PAYLOAD
 
 __all__ = ["Saves", "background_savers", "frozen_chunks"]
 

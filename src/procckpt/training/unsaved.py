@@ -178,7 +178,8 @@ def _is_the_scripts(filename: str) -> bool:
 def _covered(registered: Any) -> tuple[set[int], set[int]]:
     """The ids of the registered objects (and of what they wrap), and of every parameter and
     buffer of the registered modules."""
-    objects, tensors = set(), set()
+    objects: set[int] = set()
+    tensors: set[int] = set()
     for obj in registered:
         held = [getattr(obj, a, None) for a in (*_WRAPPED, *_HELD)]
         for inner in (obj, *held, *(x for h in held if isinstance(h, (list, tuple)) for x in h)):

@@ -3,7 +3,8 @@
 ``--framework accelerate`` (the loader prepared with ``use_stateful_dataloader``, then
 ``ckpt.batches()``), ``lightning`` (``ProcckptCallback``; the data set's epoch set in
 ``on_train_epoch_start``) or ``trainer`` (the Hugging Face Trainer's own DataLoader with 2
-workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the final weights to ``--out``; prints "step N" and the
+workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the final
+weights to ``--out``; prints "step N" and the
 batch's first ids after each step."""
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "examples"))
-import streaming_train as example  # noqa: E402
-
 import procckpt  # noqa: E402
+import streaming_train as example  # noqa: E402
 
 
 def model() -> nn.Module:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import procckpt
 
 
-def main() -> None:
+def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--n", type=int, default=256)

@@ -1,4 +1,4 @@
-"""Start-up checks of a Slurm job: settings that would lose a checkpoint or a requeue, said before training."""
+"""Start-up checks of a Slurm job: settings that would lose a checkpoint or a requeue."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The job's deadline: its end time from the environment or ``scontrol``, re-read so an extension is seen."""
+"""The job's deadline: its end time from the environment or ``scontrol``, re-read now and then."""
 
 from __future__ import annotations
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-
 
 __all__ = ["SlurmEnv", "slurm_env", "ENV_DISABLE", "ENV_END_TIME", "ENV_CHAIN"]
 

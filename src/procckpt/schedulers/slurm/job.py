@@ -1,4 +1,4 @@
-"""Talking to Slurm: ``scontrol``/``squeue`` calls with a time bound, and parsing what they print."""
+"""Talking to Slurm: ``scontrol``/``squeue`` calls with a time bound, and what they print."""
 
 from __future__ import annotations
 

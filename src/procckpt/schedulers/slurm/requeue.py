@@ -80,7 +80,7 @@ class SlurmRequeue:
     def lost_nodes(self) -> list[LostNode]:
         return lost_nodes(self.job)
 
-    def after_node_loss(self, lost: Sequence[LostNode], restarts: int) -> Verdict:
+    def after_node_loss(self, lost: Sequence[object], restarts: int) -> Verdict:
         nodes = ", ".join(str(node) for node in lost)
         return self._requeue(f"it lost node{'s' if len(lost) > 1 else ''} {nodes}", restarts)
 

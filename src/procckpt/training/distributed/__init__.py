@@ -1,8 +1,13 @@
 """Process groups: joining one, the rank agreement, sharded state and the group checkpoint."""
 
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement
-from .coordinator import (DistributedCoordinator, GroupMember, WorldSizeMismatch, check_world_size,
-                          coordinator_for)
+from .coordinator import (
+                          DistributedCoordinator,
+                          GroupMember,
+                          WorldSizeMismatch,
+                          check_world_size,
+                          coordinator_for,
+)
 from .frozen_shards import load_sharded_state
 from .group_writes import GroupWrites
 from .setup import ENV_POLL_RANKS, first_host, init_distributed, polls_control

@@ -1,4 +1,4 @@
-"""The rank agreement: one all-reduce, at steps every rank computes alike, decides whether the group saves.
+"""The rank agreement: one all-reduce at steps every rank computes alike decides if the group saves.
 
 Agreement steps are the same on every rank: each epoch end, and every ``k`` steps, where
 ``k`` is fixed (``sync_every`` / ``PROCCKPT_SYNC_EVERY``) or, by default, recomputed at each

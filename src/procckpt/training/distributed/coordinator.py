@@ -1,4 +1,4 @@
-"""The group checkpoint: the ranks agree, write their parts of one checkpoint, and rank 0 commits it.
+"""The group checkpoint: the ranks agree, write their parts of one checkpoint, rank 0 commits it.
 
 Under ``torchrun`` or ``srun`` every rank runs its own :class:`~procckpt.Checkpointer`. A
 request (``control/request.json``, a SIGTERM, ``request_checkpoint()``) may reach one rank,
@@ -50,8 +50,13 @@ import torch
 import torch.distributed as dist
 
 from ...errors import CheckpointCorruptError, ProcckptError, StorageError, UsageError
-from ...store import (CheckpointInfo, CheckpointStore, PendingCheckpoint, fsync_dir,
-                      lasting_write_error)
+from ...store import (
+    CheckpointInfo,
+    CheckpointStore,
+    PendingCheckpoint,
+    fsync_dir,
+    lasting_write_error,
+)
 from ..io.background import staged
 from ..io.frozen import ChunkPlan
 from ..io.writer import save_payload
@@ -83,9 +88,14 @@ class GroupMember(Protocol):
     save, where it goes, and what to record once the group committed it."""
 
     store: CheckpointStore
-    step: int
     payload_name: str  # the file the replicated state goes into (written by rank 0)
-    frozen: Any  # rank 0: writes frozen parameters once (io/frozen.py); None elsewhere
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def frozen(self) -> Any:
+        """Rank 0: what writes frozen parameters once (io/frozen.py); None elsewhere."""
 
     @property
     def statefuls(self) -> Mapping[str, Any]: ...
@@ -185,7 +195,7 @@ class DistributedCoordinator:
             self.writes.settle(ck, None)
 
     # save ------------------------------------------------------------------------------------
-    def save(self, ck: GroupMember, reason: str) -> CheckpointInfo | None:
+    def save(self, ck: GroupMember, reason: str) -> CheckpointInfo | None:  # noqa: C901, PLR0915 (collectives every rank reaches in one order)
         self.settle(ck)  # the one in flight first
         started = time.monotonic()
         sharded = sharded_of(ck.statefuls)

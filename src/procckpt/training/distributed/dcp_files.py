@@ -105,7 +105,7 @@ def dcp_writer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    class _StreamedFiles(FileSystem):  # type: ignore[misc]
+    class _StreamedFiles(FileSystem):
         def __init__(self) -> None:
             super().__init__()
             self.sums: Sums = {}
@@ -116,15 +116,15 @@ def dcp_writer(path: str | os.PathLike[str]) -> tuple[Any, Any]:
                 with super().create_stream(path, mode) as stream:
                     yield stream
                 return
-            stream = _DcpStream(Path(path))
+            ours = _DcpStream(Path(path))
             try:
-                yield stream
+                yield ours
             except BaseException:
-                stream.abort()
+                ours.abort()
                 raise
-            stream.close()
-            if stream.sum is not None:
-                self.sums[Path(path).name] = stream.sum
+            ours.close()
+            if ours.sum is not None:
+                self.sums[Path(path).name] = ours.sum
 
         def rename(self, path: Any, new_path: Any) -> None:
             super().rename(path, new_path)

@@ -55,7 +55,7 @@ def planner(copies: dict[str, Any] | None = None) -> Any:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import SavePlan
 
-    class _LayoutPlanner(DefaultSavePlanner):  # type: ignore[misc]
+    class _LayoutPlanner(DefaultSavePlanner):
         def create_local_plan(self) -> Any:
             global _last
             layout = layout_of(self.state_dict, self.is_coordinator)

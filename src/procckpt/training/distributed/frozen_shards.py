@@ -1,4 +1,4 @@
-"""Frozen sharded parameters written once: the frozen part of ``Sharded`` state is a DCP checkpoint of its own, whose files are chunks.
+"""Frozen sharded parameters written once: a DCP checkpoint of their own, whose files are chunks.
 
 A fine-tune of a frozen base under FSDP2 (or any DTensor layout) has most of its sharded
 state in parameters with ``requires_grad=False``. A group checkpoint saves those apart from the

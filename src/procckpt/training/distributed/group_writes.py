@@ -1,4 +1,6 @@
-"""Group checkpoints written in the background: each rank copies its part at the agreed step and writes it while training goes on; rank 0 commits once every part is durable.
+"""Group checkpoints written in the background, committed by rank 0 once every part is durable.
+
+Each rank copies its part at the agreed step and writes it while training goes on.
 
     at the agreed step (every rank)            later agreements (the usual all-reduce)
     ---------------------------------------    ------------------------------------------
@@ -32,11 +34,11 @@ from ..io.frozen import ChunkPlan
 from ..io.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
+from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .dcp_files import Sums
 from .frozen_shards import FrozenPart, split_frozen
-from .sharded import dcp_errors, dcp_failure
-from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .shard_copies import ShardWrites
+from .sharded import dcp_errors, dcp_failure
 
 __all__ = ["GroupWrites"]
 
@@ -180,7 +182,7 @@ class GroupWrites:
         coordinator = self.coordinator
         if agreed is None:
             part.done.wait()
-            failed = coordinator.any_rank(part.error is not None)
+            failed = bool(coordinator.any_rank(part.error is not None))
         else:
             failed = agreed.failed
         self._part = None

@@ -1,4 +1,4 @@
-"""Joining the process group: rank, world size and rendezvous from torchrun's or srun's environment."""
+"""Joining the process group: rank, world size, rendezvous from torchrun's or srun's variables."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Sharded state written in the background, in DCP's format: DCP plans from the live state and writes the copies taken at the agreed step.
+"""Sharded state written in the background in DCP's format, from copies taken at the agreed step.
+
+DCP plans from the live state and writes the copies.
 
 A ``torch.distributed.checkpoint`` save has two halves. Planning reads only what does not
 change while training goes on: each tensor's global shape, dtype, mesh and placements, hence

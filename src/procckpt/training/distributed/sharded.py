@@ -1,4 +1,4 @@
-"""State split across ranks (FSDP2, DTensor): saved and resharded through torch.distributed.checkpoint.
+"""State split across ranks (FSDP2, DTensor): saved and resharded through DCP.
 
 DCP keeps its index as a pickle; the reader and planner here unpickle only what DCP itself
 writes, and load tensors with ``weights_only``.
@@ -36,7 +36,7 @@ class Sharded:
         self.optimizers = optimizers
 
     def state_dict(self) -> dict[str, Any]:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if not self.optimizers:
             return {"model": get_model_state_dict(self.model)}
@@ -121,7 +121,7 @@ def _safe_dcp_reader(path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    class _Reader(FileSystemReader):  # type: ignore[misc]
+    class _Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             rank = kwargs.get("rank")
             meta_path = self._get_metadata_path(rank)
@@ -157,7 +157,7 @@ def _safe_load_planner() -> Any:
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.planner import ReadItem
 
-    class _Planner(DefaultLoadPlanner):  # type: ignore[misc]
+    class _Planner(DefaultLoadPlanner):
         def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             loaded = torch.load(value, weights_only=True)
             if self.flatten_state_dict:

@@ -1,1 +1,1 @@
-"""Moving a training state between memory and a checkpoint file: writer, host arena, background saver, mapped loads."""
+"""Moving a training state between memory and a checkpoint file (the write path and loads)."""

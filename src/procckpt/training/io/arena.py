@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 import logging
 import math
 import mmap
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .device import CudaOps, CpuTwin, device_ops
+from .device import CpuTwin, CudaOps, device_ops
 
 if TYPE_CHECKING:
     from .fence import StepFence
@@ -275,17 +276,18 @@ class HostArena:
         with contextlib.suppress(AttributeError, OSError):
             mm.madvise(mmap.MADV_DONTFORK)
         flat = torch.frombuffer(mm, dtype=torch.uint8)
+        kept: mmap.mmap | None = mm
         if pinning is _Pinning.REGISTERED and not ops.page_lock(flat):
             # Registration refused (e.g. a locked-memory limit): use torch's pinned allocator,
             # which rounds up to a power of two, so say so.
             del flat
             mm.close()
-            mm = None
+            kept = None
             flat = torch.empty(size, dtype=torch.uint8, pin_memory=True)
             pinning = _Pinning.ALLOCATED
             logger.warning("could not page-lock the checkpoint buffer in place; using torch's "
                            "pinned allocator, which may take up to twice the state's size")
-        self._mm, self._flat, self._pinning = mm, flat, pinning
+        self._mm, self._flat, self._pinning = kept, flat, pinning
         self.capacity = flat.numel()
         self.allocations += 1
 
@@ -332,7 +334,7 @@ def _copy_all(slots: list[torch.Tensor], sources: list[torch.Tensor], late: set[
     return events
 
 
-def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor], *, non_blocking: bool) -> None:
+def _copy_list(dst: list[torch.Tensor], src: list[torch.Tensor], non_blocking: bool) -> None:
     foreach = getattr(torch, "_foreach_copy_", None)
     if foreach is not None:
         # One call for all tensors: a Python loop of copy_ calls would be a visible part of
@@ -365,8 +367,7 @@ def _copy_from_gpus(pairs: list[tuple[torch.Tensor, torch.Tensor]], late: set[in
         for part in (early, deferred):
             if part:
                 dst, src = [d for d, _ in part], [s for _, s in part]
-                ops.copy(side, lambda non_blocking, dst=dst, src=src: _copy_list(
-                    dst, src, non_blocking=non_blocking))
+                ops.copy(side, functools.partial(_copy_list, dst, src))
             events.append(ops.record(side))
         first, last = events[-2], events[-1]
         training.wait_event(first)

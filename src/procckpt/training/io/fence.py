@@ -1,4 +1,4 @@
-"""The step fence: a GPU state's copy runs beside the next forward and backward, and the optimizer step waits for it.
+"""The step fence: a GPU state is copied beside the next forward and backward; the step waits.
 
 A checkpoint of state on a GPU copies it into the host arena on a side stream. Most of what a
 checkpoint holds (parameters, optimizer moments) changes only inside ``optimizer.step()``, so

@@ -1,4 +1,6 @@
-"""Frozen weights written once: parameters that do not train go to the chunk store, not into every ``state.pt``.
+"""Frozen weights written once: parameters that do not train go to the chunk store.
+
+They are not written into every ``state.pt``.
 
 A fine-tune of a frozen base (LoRA, adapters, a frozen encoder) has most of its bytes in
 parameters with ``requires_grad=False``. Each of those (64 KiB or more) is stored as a chunk
@@ -199,7 +201,7 @@ def resolve_chunks(payload: Any, chunks: ChunkStore, listed: dict[str, int]) -> 
         wanted[chunk_id] = listed[chunk_id]
     buffers = {cid: torch.empty(n, dtype=torch.uint8) for cid, n in wanted.items()}
     with ThreadPoolExecutor(max_workers=min(8, len(buffers))) as pool:
-        for future in [pool.submit(chunks.read_into, cid, memoryview(buf.numpy()))
+        for future in [pool.submit(chunks.read_into, cid, buf.numpy().data)
                        for cid, buf in buffers.items()]:
             future.result()
     replacements = {}
@@ -276,7 +278,7 @@ def bytes_of(t: torch.Tensor) -> memoryview:
     flat = t.detach().reshape(-1).view(torch.uint8)
     if flat.device.type != "cpu":
         flat = flat.cpu()
-    return memoryview(flat.numpy())
+    return flat.numpy().data
 
 
 def _placeholder(chunk_id: str, t: torch.Tensor) -> dict[str, Any]:

@@ -38,7 +38,8 @@ def detach_from_file(payload: Any, holders: list[Any]) -> int:
         for holder in holders:
             for t in tensors_of(holder.state_dict()):
                 if t.numel() and t.untyped_storage().data_ptr() in mapped:
-                    t.set_(t.clone())
+                    # set_ takes a tensor too; torch's stubs name only storages.
+                    t.set_(t.clone())  # type: ignore[call-overload]
                     copied += t.numel() * t.element_size()
     return copied
 
@@ -68,7 +69,7 @@ def _libc_madvise() -> Callable[[int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _madvise = _libc_madvise()

@@ -1,4 +1,4 @@
-"""The streaming file writer: ``torch.save`` into a file at the disk's speed, checksummed on the way.
+"""The streaming file writer: ``torch.save`` at the disk's speed, checksummed on the way.
 
 A checkpoint of the hooks engine is one ``torch.save`` file, ``state.pt``, loadable by plain
 ``torch.load(weights_only=True)``. ``torch.save`` streams straight from the tensors into
@@ -15,12 +15,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
-from ...store.checksum import crc32
 from ...store import CheckpointInfo, CheckpointStore, PendingCheckpoint, lasting_write_error
+from ...store.checksum import crc32
 from .direct import DirectWrites, direct_wanted, direct_writes
 from .frozen import ChunkPlan
 
@@ -241,7 +241,7 @@ def save_payload(pending: PendingCheckpoint, name: str, payload: Any,
     writer = StreamingFileWriter(pending.path / name)
     try:
         with torch_zip_crc_off():
-            torch.save(payload, writer)
+            torch.save(payload, cast(IO[bytes], writer))  # it has what save() calls
         nbytes, crc = writer.finish()
     except BaseException as e:
         writer.abort()

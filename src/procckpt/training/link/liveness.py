@@ -208,6 +208,7 @@ class NoLiveness:
     """A script no launcher watches (or a rank other than 0): nothing to sample or tell."""
 
     longest_gap = 0.0
+    step = 0  # told, never read
 
     def start(self) -> None:
         pass

@@ -2,7 +2,8 @@
 
 A checkpoint is wanted when the launcher asks (``control/request.json``), a signal arrives, the
 script calls ``request_checkpoint()``, the interval is up, an epoch ends (``save_every``) or the
-metric improved (:meth:`SaveTriggers.report_metric`). Signals only set a flag: the save happens at the next safe point, never inside
+metric improved (:meth:`SaveTriggers.report_metric`). Signals only set a flag: the save happens at
+the next safe point, never inside
 a handler. In a process group these wishes are only this rank's; the group acts on what the
 rank agreement reduced them to (``adopt``).
 """

@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
@@ -86,6 +86,7 @@ def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
         return iterator, _replay(iterator, skip, why)
     if wraps_a_loader(loader):
         return _open_wrapper(loader, skip)
+    loader = cast(DataLoader, loader)  # what replay_reason lets through is one
     swaps: dict[str, Any] = {}
     if loader.num_workers:
         swaps["dataset"] = SeededSamples(loader.dataset)

@@ -63,11 +63,11 @@ def not_repeatable(dataset: Any, seed: Callable[[int], None]) -> str:
         finally:
             os._exit(code)
     os.close(write)
-    code = _wait_child(pid, PROBE_TIMEOUT)
+    ended = _wait_child(pid, PROBE_TIMEOUT)
     with os.fdopen(read, "rb") as f:
         why = f.read().decode(errors="replace")
-    if code != 0:
-        return f"a test load of the data set in a child process failed ({code})"
+    if ended != 0:
+        return f"a test load of the data set in a child process failed ({ended})"
     return why
 
 

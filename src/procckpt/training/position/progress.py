@@ -1,4 +1,4 @@
-"""Where a run is (epoch, batch, step) and the random streams that go with it, saved and resumed exactly.
+"""Where a run is (epoch, batch, step) and its random streams, saved and resumed exactly.
 
 Every checkpoint holds two snapshots of the random streams: the state *now* and the state at
 the *start of the current epoch*. Resuming mid-epoch restores the epoch-start state and starts
@@ -34,8 +34,17 @@ from typing import Any, TypeVar
 import torch
 
 from ...protocol.events import append_event
-from .loaders import (REPLAY_HINT, align_epoch, check_loader, loader_generators, open_at,
-                      replayed_on_resume, stateful_source, swapped, wraps_a_loader)
+from .loaders import (
+    REPLAY_HINT,
+    align_epoch,
+    check_loader,
+    loader_generators,
+    open_at,
+    replayed_on_resume,
+    stateful_source,
+    swapped,
+    wraps_a_loader,
+)
 from .resplit import BEFORE, remainder_batches
 from .rng import capture_rng, generator_states, restore_generators, restore_rng
 from .shape import loader_shape, map_position
@@ -184,7 +193,7 @@ class Progress:
             self.step += 1
 
     # -- the batches() loop ----------------------------------------------------------------
-    def open_loader(self, loader: Iterable[T], journal: Path | None = None,
+    def open_loader(self, loader: Iterable[T], journal: Path | None = None,  # noqa: C901, PLR0915 (the ways a loader resumes, in order)
                     isolate_loads: bool = False) -> Iterator[T]:
         """An iterator over ``loader`` at the first batch not yet trained on; how the batches
         before it were passed over, and what that cost, goes into ``journal``. With
@@ -229,6 +238,7 @@ class Progress:
         finished = stateful is not None and _pass_finished(self._resume_loader_state)
         if finished:
             stateful.load_state_dict({})
+        iterator: Iterator[Any]
         if finished and skip:  # resumed after the pass's last batch: the epoch has no more
             iterator, how = iter(()), "the saved position was the end of the loader's pass"
         elif stateful is not None and self._resume_loader_state is not None and not finished:
@@ -358,7 +368,7 @@ class Progress:
 
 def global_streams() -> tuple[Any, ...]:
     """The global random streams' states, comparable with ``==`` (torch's as bytes)."""
-    np = None
+    np: Any = None
     try:
         import numpy as np
     except ImportError:

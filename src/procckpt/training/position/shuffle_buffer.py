@@ -28,7 +28,7 @@ __all__ = ["ShuffleBuffer"]
 _KIND = "procckpt.ShuffleBuffer"
 
 
-class ShuffleBuffer(IterableDataset):  # type: ignore[type-arg]
+class ShuffleBuffer(IterableDataset):
     """Shuffle ``source`` through a buffer of ``size`` samples kept in the state::
 
         stream = load_dataset("json", data_files=files, split="train", streaming=True)

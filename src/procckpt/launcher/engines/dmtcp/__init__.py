@@ -1,4 +1,4 @@
-"""The DMTCP engine: whole-process images of an unmodified command (engine, coordinator, images, tools)."""
+"""The DMTCP engine: whole-process images of an unmodified command."""
 
 from .coordinator import Coordinator, clean_env
 from .engine import CKPT_SIGNAL, DmtcpEngine

@@ -33,9 +33,9 @@ from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation, Engine
 from .coordinator import Coordinator
-from .images import ImageDir, restore_saved_files
 from .cycle import Cycle, Job
 from .forks import STALL_S, CopyWatch, StuckImages, fork_safe_env, own_processes
+from .images import ImageDir, restore_saved_files
 from .tools import DmtcpError, DmtcpTools
 
 __all__ = ["DmtcpEngine", "CKPT_SIGNAL"]
