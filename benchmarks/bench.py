@@ -48,7 +48,7 @@ import torch
 from procckpt.protocol.events import read_events
 from procckpt.store import checksum
 from procckpt.training.checkpointer import Checkpointer
-from procckpt.training.io.writer import StreamingFileWriter
+from procckpt.training.save.writer import StreamingFileWriter
 
 __all__ = ["main"]
 
@@ -372,7 +372,7 @@ def _append_pair(a: list[float], b: list[float], pair: tuple[float, float]) -> N
 # -- 5: the GIL: writer thread vs helper process ---------------------------------------------
 _HELPER = """
 import mmap, os, sys
-from procckpt.training.io.writer import StreamingFileWriter
+from procckpt.training.save.writer import StreamingFileWriter
 src, dst = sys.argv[1], sys.argv[2]
 fd = os.open(src, os.O_RDONLY)
 mm = mmap.mmap(fd, 0, prot=mmap.PROT_READ)

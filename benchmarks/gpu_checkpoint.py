@@ -87,7 +87,7 @@ class Training:
         self.nbytes = sum(t.numel() * t.element_size() for t in self.tensors())
 
     def tensors(self) -> list[torch.Tensor]:
-        from procckpt.training.io.writer import tensors_of
+        from procckpt.training.save.writer import tensors_of
 
         state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
         return [t for t in tensors_of(state) if t.device.type == self.device]
@@ -119,7 +119,7 @@ class Training:
         return seconds
 
     def d2h(self) -> float:
-        from procckpt.training.io.arena import HostArena
+        from procckpt.training.save.arena import HostArena
 
         arena = getattr(self, "_arena", None) or HostArena()
         self._arena = arena

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from procckpt.store import CheckpointStore
-from procckpt.training.payload import read_payload
+from procckpt.training.state.payload import read_payload
 
 from .conftest import PROGRAMS, PYTHON
 

@@ -1,4 +1,4 @@
-"""The device path of a snapshot (training/io/device.py, arena.py, fence.py): page-locked
+"""The device path of a snapshot (training/save/device.py, arena.py, fence.py): page-locked
 arena, side-stream copies, the step fence on every kind of optimizer a script hands over.
 
 Each test runs twice: on the CPU twin (``PROCCKPT_DEVICE_TWIN=1``: CPU tensors take the GPU
@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from procckpt import Checkpointer
-from procckpt.training.io.arena import HostArena
-from procckpt.training.io.device import ENV_DEVICE_TWIN, device_ops
-from procckpt.training.io.fence import StepFence, stepping_optimizer
-from procckpt.training.io.writer import tensors_of
+from procckpt.training.save.arena import HostArena
+from procckpt.training.save.device import ENV_DEVICE_TWIN, device_ops
+from procckpt.training.save.fence import StepFence, stepping_optimizer
+from procckpt.training.save.writer import tensors_of
 
 DEVICES = [pytest.param("twin", id="cpu-twin"),
            pytest.param("cuda", marks=pytest.mark.cuda, id="cuda")]

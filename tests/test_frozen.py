@@ -1,4 +1,4 @@
-"""Frozen weights written once (training/io/frozen.py) into the chunk store (store/chunks.py):
+"""Frozen weights written once (training/save/frozen.py) into the chunk store (store/chunks.py):
 what each checkpoint writes, what it skips and when it must not, collection, damage, old dirs."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from procckpt.errors import CheckpointCorruptError
 from procckpt.store import CheckpointStore
 from procckpt.store.chunks import ChunkDamaged, ChunkStore, digest_of
 from procckpt.store.manifest import manifest_problem
-from procckpt.training.io.frozen import PLACEHOLDER, FrozenChunks
-from procckpt.training.payload import read_payload
+from procckpt.training.save.frozen import PLACEHOLDER, FrozenChunks
+from procckpt.training.state.payload import read_payload
 
 
 def fine_tune() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,4 +1,4 @@
-"""training/io/: the streaming writer, the host arena, background writes, mmap restores."""
+"""training/save/: the streaming writer, the host arena, background writes, mmap restores."""
 
 from __future__ import annotations
 
@@ -20,17 +20,17 @@ import torch
 from procckpt import Checkpointer
 from procckpt.errors import UsageError
 from procckpt.store import CheckpointStore
-from procckpt.training.io import mapped as io_mapped
-from procckpt.training.io.arena import HostArena, NotSnapshottable
-from procckpt.training.io.background import (
+from procckpt.training.save.arena import HostArena, NotSnapshottable
+from procckpt.training.save.background import (
     BackgroundSaver,
     BackgroundWriteError,
     WriteResult,
     async_wanted,
 )
-from procckpt.training.io.direct import ENV_DIRECT
-from procckpt.training.io.fence import ENV_OVERLAP, StepFence
-from procckpt.training.io.writer import StreamingFileWriter, write_checkpoint
+from procckpt.training.save.direct import ENV_DIRECT
+from procckpt.training.save.fence import ENV_OVERLAP, StepFence
+from procckpt.training.save.writer import StreamingFileWriter, write_checkpoint
+from procckpt.training.state import mapped as io_mapped
 
 from .conftest import mounted_tmpfs
 
@@ -157,7 +157,7 @@ def test_torch_zip_crc_option_is_left_as_it_was(tmp_path: Path) -> None:
 
 
 def test_torch_zip_crc_stays_off_while_any_writer_needs_it_then_comes_back() -> None:
-    from procckpt.training.io.writer import torch_zip_crc_off
+    from procckpt.training.save.writer import torch_zip_crc_off
 
     before = torch.serialization.get_crc32_options()
     with torch_zip_crc_off():
@@ -209,7 +209,7 @@ def test_a_script_that_ends_while_the_arena_is_being_reserved_keeps_its_exit_cod
     program = """
 import sys, torch
 from procckpt.store import CheckpointStore
-from procckpt.training.io.background import BackgroundSaver
+from procckpt.training.save.background import BackgroundSaver
 saver = BackgroundSaver(CheckpointStore(sys.argv[1]).open())
 real = saver.arena.reserve
 def slow_reserve(payload):
@@ -484,7 +484,7 @@ def test_a_checkpoint_written_with_one_crc_implementation_verifies_with_the_othe
     program = """
 import sys, torch
 from procckpt.store.checksum import IMPLEMENTATION
-from procckpt.training.io.writer import write_checkpoint
+from procckpt.training.save.writer import write_checkpoint
 from procckpt.store import CheckpointStore
 store = CheckpointStore(sys.argv[2]).open()
 if sys.argv[1] == "write":

@@ -248,7 +248,7 @@ def test_two_runs_on_one_prefix_never_replace_each_others_checkpoints(workdir: P
 
     from procckpt.errors import StorageError
     from procckpt.store import CheckpointStore
-    from procckpt.training.io.writer import write_checkpoint
+    from procckpt.training.save.writer import write_checkpoint
 
     for key, value in s3_env(endpoint).items():
         monkeypatch.setenv(key, value)
@@ -319,7 +319,7 @@ def test_a_bucket_root_with_foreign_keys_under_chunks_is_pruned_around_them(work
     import torch
 
     from procckpt.store import CheckpointStore
-    from procckpt.training.io.writer import write_checkpoint
+    from procckpt.training.save.writer import write_checkpoint
 
     for key, value in s3_env(endpoint).items():
         monkeypatch.setenv(key, value)
@@ -387,7 +387,7 @@ def test_status_of_a_prefix_reads_the_prefix_from_any_machine(workdir: Path, end
     import torch
 
     from procckpt.store import CheckpointStore
-    from procckpt.training.io.writer import write_checkpoint
+    from procckpt.training.save.writer import write_checkpoint
 
     for key, value in s3_env(endpoint).items():
         monkeypatch.setenv(key, value)

@@ -48,8 +48,8 @@ from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.distributed import Sharded
 from ..training.driven import DrivenLoop, kept_apart, positioned
-from ..training.io.frozen import resolve_chunks
-from ..training.payload import PAYLOAD
+from ..training.save.frozen import resolve_chunks
+from ..training.state.payload import PAYLOAD
 from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
@@ -101,7 +101,7 @@ class ProcckptCallback(pl.Callback):
         ckpt = checkpointer_resumed_from(self._chosen, **self._settings, **statefuls)
         if shards:
             ckpt.store.adopt = _add_metadata_file
-        else:  # state.pt may hold frozen weights as chunks (training/io/frozen.py)
+        else:  # state.pt may hold frozen weights as chunks (training/save/frozen.py)
             trainer.strategy.checkpoint_io = _ChunksPutBack(trainer.strategy.checkpoint_io,
                                                             ckpt.store)
         self.checkpointer = ckpt
@@ -154,7 +154,7 @@ class _TrainerState:
         pass  # never called: Lightning loads resume_from itself
 
     def procckpt_modules(self) -> list[Any]:
-        """The model whose frozen parameters procckpt writes once (training/io/frozen.py);
+        """The model whose frozen parameters procckpt writes once (training/save/frozen.py);
         Lightning reads them back through :class:`_ChunksPutBack`."""
         return [] if self._sharded else [self._trainer.lightning_module]
 

@@ -35,12 +35,12 @@ from .link.failures import open_control
 from .link.liveness import Liveness, NoLiveness
 from .link.timing import CycleTimer
 from .link.triggers import SaveTriggers
-from .member import CheckpointerAsMember
-from .payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .position.progress import Progress
 from .position.resplit import BEFORE
-from .resume import apply_payload, finished_already, load_newest_verified, resume_newest
-from .saving import Saves, background_savers, frozen_chunks
+from .save.saving import Saves, background_savers, frozen_chunks
+from .state.member import CheckpointerAsMember
+from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
+from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 

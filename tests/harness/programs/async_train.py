@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import procckpt
-from procckpt.training.io import writer
+from procckpt.training.save import writer
 
 
 def main() -> None:

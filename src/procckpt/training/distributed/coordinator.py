@@ -57,10 +57,10 @@ from ...store import (
     fsync_dir,
     lasting_write_error,
 )
-from ..io.background import staged
-from ..io.frozen import ChunkPlan
-from ..io.writer import save_payload
 from ..position.resplit import resplit_position
+from ..save.background import staged
+from ..save.frozen import ChunkPlan
+from ..save.writer import save_payload
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .dcp_files import Sums, gather_sums, save_dcp
@@ -95,7 +95,7 @@ class GroupMember(Protocol):
 
     @property
     def frozen(self) -> Any:
-        """Rank 0: what writes frozen parameters once (io/frozen.py); None elsewhere."""
+        """Rank 0: what writes frozen parameters once (save/frozen.py); None elsewhere."""
 
     @property
     def statefuls(self) -> Mapping[str, Any]: ...

@@ -2,7 +2,7 @@
 
 ``torch.distributed.checkpoint`` writes each rank's shards into one file per rank through a
 file system object it lets its caller replace. procckpt's replaces the plain buffered file
-with :class:`~procckpt.training.io.writer.StreamingFileWriter`, the writer of every other
+with :class:`~procckpt.training.save.writer.StreamingFileWriter`, the writer of every other
 checkpoint file, so a sharded checkpoint gets what a replicated one has:
 
 - the disk starts writing back each piece while the next is produced (DCP's own file writes
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..io.writer import StreamingFileWriter, torch_zip_crc_off
+from ..save.writer import StreamingFileWriter, torch_zip_crc_off
 from .backend_threads import let_go
 from .dcp_plans import planner
 

@@ -11,12 +11,12 @@ chunk. A later checkpoint lists the same chunks and writes nothing of them. Load
 chunks into a temporary directory under their DCP names and DCP reads the set from there,
 resharded to another world size like the rest of the sharded state.
 
-**When the set is listed instead of written** (the rule of io/frozen.py, per rank; if any
+**When the set is listed instead of written** (the rule of save/frozen.py, per rank; if any
 rank sees a change, every rank writes the set again): each frozen entry is one this process
 wrote or loaded, its local shard is the same memory (held here, so it cannot be reused), and
 the DTensor's version counter has not moved. In-place operations on a DTensor parameter move
 the DTensor's counter, shared with the detached copies a state dict holds (not its local
-tensor's). Every :data:`~procckpt.training.io.frozen.VERIFY_EVERY`-th checkpoint each rank
+tensor's). Every :data:`~procckpt.training.save.frozen.VERIFY_EVERY`-th checkpoint each rank
 hashes its local shards again, which catches writes the counter cannot see (``.data``):
 those are then hashed at every checkpoint, with a warning. That hash runs at the checkpoint's
 safe point, so it adds to that checkpoint's pause what reading the rank's frozen shards costs
@@ -46,7 +46,7 @@ from ...protocol.switches import FROZEN_ONCE
 from ...store import CheckpointInfo, PendingCheckpoint
 from ...store.chunks import ChunkStore, digest_of
 from ...store.manifest import FROZEN_SHARDS
-from ..io.frozen import MIN_BYTES, VERIFY_EVERY, bytes_of
+from ..save.frozen import MIN_BYTES, VERIFY_EVERY, bytes_of
 from .dcp_files import save_dcp
 from .sharded import load_sharded
 

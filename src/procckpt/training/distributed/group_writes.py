@@ -28,10 +28,10 @@ from typing import Any
 from ...errors import ProcckptError
 from ...protocol import control as ctl
 from ...store import CheckpointInfo, PendingCheckpoint
-from ..io.arena import NotSnapshottable
-from ..io.background import BackgroundSaver
-from ..io.frozen import ChunkPlan
-from ..io.writer import save_payload
+from ..save.arena import NotSnapshottable
+from ..save.background import BackgroundSaver
+from ..save.frozen import ChunkPlan
+from ..save.writer import save_payload
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
@@ -61,7 +61,7 @@ class _Part:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     sums: Sums = field(default_factory=dict)  # DCP's files, summed as they were written
-    plan: ChunkPlan | None = None  # rank 0: its frozen parameters (io/frozen.py)
+    plan: ChunkPlan | None = None  # rank 0: its frozen parameters (save/frozen.py)
     frozen: FrozenPart | None = None  # the frozen sharded parameters (frozen_shards.py)
 
 

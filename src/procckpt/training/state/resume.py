@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import CheckpointCorruptError, CheckpointReadError, UsageError
-from ..protocol.events import append_event
-from ..store import CheckpointInfo, CheckpointStore, read_with_retries
-from . import distributed as dist_
-from .io.mapped import MappedVerification, private_copy
-from .link.context import force_requested
+from ...errors import CheckpointCorruptError, CheckpointReadError, UsageError
+from ...protocol.events import append_event
+from ...store import CheckpointInfo, CheckpointStore, read_with_retries
+from .. import distributed as dist_
+from ..link.context import force_requested
+from ..position.resplit import resplit_position
+from .mapped import MappedVerification, private_copy
 from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
-from .position.resplit import resplit_position
 
 __all__ = ["load_newest_verified", "single_process_view", "announce_resume", "resume_newest",
            "apply_payload", "finished_already"]

@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from ..protocol.events import append_event
-from ..protocol.switches import FROZEN_ONCE
-from ..store import CheckpointInfo, CheckpointStore
-from .distributed import DistributedCoordinator, GroupWrites, sharded_of
-from .distributed.shard_copies import ShardWrites
-from .io.arena import NotSnapshottable
-from .io.background import BackgroundSaver, WriteResult, async_wanted, staged
-from .io.fence import StepFence
-from .io.frozen import FrozenChunks
-from .io.writer import write_checkpoint
-from .link.triggers import SaveTriggers
-from .payload import PAYLOAD
+from ...protocol.events import append_event
+from ...protocol.switches import FROZEN_ONCE
+from ...store import CheckpointInfo, CheckpointStore
+from ..distributed import DistributedCoordinator, GroupWrites, sharded_of
+from ..distributed.shard_copies import ShardWrites
+from ..link.triggers import SaveTriggers
+from ..state.payload import PAYLOAD
+from .arena import NotSnapshottable
+from .background import BackgroundSaver, WriteResult, async_wanted, staged
+from .fence import StepFence
+from .frozen import FrozenChunks
+from .writer import write_checkpoint
 
 __all__ = ["Saves", "background_savers", "frozen_chunks"]
 
@@ -54,7 +54,7 @@ def background_savers(store: CheckpointStore, group: DistributedCoordinator | No
 
 def frozen_chunks(store: CheckpointStore, statefuls: dict[str, Any],
                   is_writer: bool) -> FrozenChunks | None:
-    """What stores the frozen parameters of ``statefuls``' modules once (io/frozen.py), in
+    """What stores the frozen parameters of ``statefuls``' modules once (save/frozen.py), in
     the process that writes ``state.pt`` (rank 0 of a group); None with
     ``PROCCKPT_FROZEN_ONCE=0``."""
     if not is_writer or not FROZEN_ONCE.read():
@@ -79,7 +79,7 @@ class Saves:
     Args:
         background: the background saver, or None to write every checkpoint synchronously.
         triggers: told when a checkpoint was taken, and which request it answers.
-        frozen: the frozen parameters written once (io/frozen.py), or None to write all
+        frozen: the frozen parameters written once (save/frozen.py), or None to write all
             of the state into every checkpoint.
     """
 

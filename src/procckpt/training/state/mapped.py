@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...store.checksum import crc32
-from .writer import tensors_of
+from ..save.writer import tensors_of
 
 __all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..store import CheckpointInfo
+from ...store import CheckpointInfo
 from .payload import PAYLOAD, read_payload
 
 __all__ = ["CheckpointerAsMember"]
@@ -31,7 +31,7 @@ class CheckpointerAsMember:
 
     @property
     def frozen(self) -> Any:
-        """What writes the frozen parameters once (io/frozen.py); None on ranks but 0."""
+        """What writes the frozen parameters once (save/frozen.py); None on ranks but 0."""
         return self._ck._saves.frozen
 
     def checkpoint_meta(self, reason: str) -> dict[str, Any]:

@@ -21,10 +21,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import ProcckptError, UsageError
-from ..store import CheckpointInfo
-from .io.frozen import resolve_chunks
-from .io.mapped import detach_from_file
+from ...errors import ProcckptError, UsageError
+from ...store import CheckpointInfo
+from ..save.frozen import resolve_chunks
+from .mapped import detach_from_file
 
 __all__ = ["PAYLOAD", "PAYLOAD_FORMAT", "Stateful", "build_payload", "checkpoint_meta",
            "read_payload", "load_statefuls", "collect_statefuls", "is_framework"]
@@ -101,7 +101,7 @@ def checkpoint_meta(position: tuple[int, int, int], reason: str, restart: int,
 
 
 def read_payload(info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
-    """``state.pt`` of ``info``, with the tensors of its chunks put back (io/frozen.py);
+    """``state.pt`` of ``info``, with the tensors of its chunks put back (save/frozen.py);
     ``weights_only``, so safe even before its checksum is verified.
 
     Raises:

@@ -1,1 +1,0 @@
-"""Moving a training state between memory and a checkpoint file (the write path and loads)."""
