@@ -51,7 +51,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, tmp: str,
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import procckpt
     from procckpt.store import CheckpointStore
-    from procckpt.training.distributed import Flags, RankAgreement
+    from procckpt.training.group import Flags, RankAgreement
 
     if rank == 0:
         CheckpointStore(tmp).open()  # what `procckpt run` prepares

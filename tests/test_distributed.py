@@ -26,9 +26,13 @@ from torch import nn
 from procckpt import Checkpointer
 from procckpt.errors import ProcckptError, StorageError, UsageError
 from procckpt.store.files import file_crc32
-from procckpt.training import distributed as pd
-from procckpt.training.distributed import coordinator, dcp_files, dcp_plans, sharded
-from procckpt.training.distributed.setup import _local_world_size, default_backend
+from procckpt.training import group as pd
+from procckpt.training.group import coordinator
+from procckpt.training.group.setup import _local_world_size, default_backend
+from procckpt.training.group.sums import gather_sums
+from procckpt.training.sharded import dcp as sharded
+from procckpt.training.sharded import files as dcp_files
+from procckpt.training.sharded import plans as dcp_plans
 
 from .harness.slurm_cluster import free_port
 
@@ -53,7 +57,7 @@ def test_rank_zero_host_comes_from_the_slurm_host_list(hostlist: str, first: str
 
 def test_a_first_node_whose_name_does_not_resolve_is_reached_by_slurms_address(
         tmp_path: Path, monkeypatch):
-    from procckpt.training.distributed import setup
+    from procckpt.training.group import setup
 
     # A real scontrol's answer for a node that is in no DNS and no hosts file.
     fake = tmp_path / "scontrol"
@@ -149,7 +153,7 @@ def test_dcp_files_are_summed_as_dcp_writes_them_as_reading_them_back_would(tmp_
     dcp.load(loaded, checkpoint_id=str(tmp_path))  # DCP's own reader, DCP's format
     assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["b"], state["b"])
     assert loaded["note"] == "text"
-    assert dcp_files.gather_sums(files.sums) == files.sums  # a group of one
+    assert gather_sums(files.sums) == files.sums  # a group of one
 
 
 def test_a_dcp_file_not_written_front_to_back_gets_no_sum_and_is_read_back(tmp_path: Path):
@@ -411,7 +415,7 @@ def _sharded_part_fails_on_rank_1(rank: int, root: Path) -> dict[str, Any]:
 _EXIT_AFTER_BROADCAST = """
 import sys
 import torch.distributed as dist
-from procckpt.training.distributed.coordinator import DistributedCoordinator
+from procckpt.training.group.coordinator import DistributedCoordinator
 port, rank = int(sys.argv[1]), int(sys.argv[2])
 store = dist.TCPStore("127.0.0.1", port, is_master=False)
 dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
@@ -475,7 +479,7 @@ def test_the_exit_hook_sees_a_running_gloo_thread():
     import ctypes
     import threading
 
-    from procckpt.training.distributed.backend_threads import gloo_threads_running
+    from procckpt.training.group.backend_threads import gloo_threads_running
 
     libc = ctypes.CDLL(None)
     buf = ctypes.create_string_buffer(64 << 20)

@@ -1,4 +1,4 @@
-"""Frozen sharded parameters written once (training/distributed/frozen_shards.py): the frozen
+"""Frozen sharded parameters written once (training/sharded/frozen.py): the frozen
 part of FSDP2 state saved as a DCP set of its own whose files are chunks. What each checkpoint
 writes, what it lists and when it must not, loading the set back, collection, damage.
 
@@ -17,7 +17,7 @@ from torch import nn
 from procckpt import Checkpointer, Sharded
 from procckpt.errors import CheckpointCorruptError
 from procckpt.store import CheckpointStore
-from procckpt.training.distributed.frozen_shards import FrozenShards, load_sharded_state
+from procckpt.training.sharded.frozen import FrozenShards, load_sharded_state
 
 from .test_frozen import manifests
 

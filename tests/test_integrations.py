@@ -13,8 +13,8 @@ import torch
 
 from procckpt.errors import ProcckptError
 from procckpt.store import CheckpointStore
-from procckpt.training.distributed import Sharded
-from procckpt.training.distributed.sharded import dcp_state
+from procckpt.training.group import Sharded
+from procckpt.training.sharded.dcp import dcp_state
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
-"""The package's layout keeps its promises: no import cycles between modules, every module says
-its job in its first line, and none grows past a size a reader takes in at once
+"""The package's layout keeps its promises: no import cycles between modules, no part imports a
+part above it (inside training/ too), and every module says its job in its first line
 (docs/architecture.md)."""
 
 from __future__ import annotations
@@ -126,6 +126,39 @@ def test_no_part_imports_upward_even_inside_a_function():
             if other != part and other not in MAY_IMPORT[part]:
                 upward.append(f"{name} -> {target}")
     assert not upward, f"imports above their floor: {upward}"
+
+
+#: The floors inside training/ (docs/architecture.md): where the training is and the link to
+#: the launcher at the bottom, the write path on them, DCP as a format on that, process groups
+#: on that, what a checkpoint holds and how it comes back on top; the Checkpointer and the
+#: loops (the modules at training/'s top) may import all of them, none of them the top.
+TRAINING_MAY_IMPORT = {
+    "position": set(), "link": set(),
+    "save": set(),
+    "sharded": {"save"},
+    "group": {"save", "sharded", "link", "position"},
+    "state": {"save", "sharded", "group", "link", "position"},
+}
+
+
+def test_no_part_of_training_imports_a_part_above_it():
+    upward = []
+    for path in (PACKAGE / "training").rglob("*.py"):
+        name = module_name(path)
+        parts = name.split(".")
+        if len(parts) < 4 and not (path.name == "__init__.py" and len(parts) == 3):
+            continue  # training/'s own top: the front, free to use every part
+        part = parts[2]
+        if part not in TRAINING_MAY_IMPORT:
+            continue
+        for target in all_imports(path):
+            tparts = target.split(".")
+            if tparts[:2] != ["procckpt", "training"] or len(tparts) < 3:
+                continue
+            other = tparts[2] if tparts[2] in TRAINING_MAY_IMPORT else "(top)"
+            if other != part and other not in TRAINING_MAY_IMPORT[part]:
+                upward.append(f"{name} -> {target}")
+    assert not upward, f"imports above their floor inside training/: {upward}"
 
 
 def test_engines_and_deadlines_are_used_through_what_their_base_declares():

@@ -166,7 +166,7 @@ def test_a_rank_ended_by_an_exception_tells_the_launcher(tmp_path: Path):
     # The launcher of a group looks at the job's nodes when a rank failed and the command
     # still runs (launcher/watch.py): the rank says so before Python prints its traceback.
     script = ("import sys; from pathlib import Path\n"
-              "from procckpt.training.link.failures import open_control\n"
+              "from procckpt.training.link.context import open_control\n"
               "open_control(Path(sys.argv[1]), 'tok', 3)\n"
               "raise RuntimeError('Connection closed by peer [10.0.0.2]:9911\\nGLHF')\n")
     res = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,

@@ -9,7 +9,7 @@ __all__ = ["Checkpointer", "Sharded", "ShuffleBuffer", "init_distributed", "__ve
 
 if TYPE_CHECKING:
     from .training.checkpointer import Checkpointer
-    from .training.distributed import Sharded, init_distributed
+    from .training.group import Sharded, init_distributed
     from .training.position.shuffle_buffer import ShuffleBuffer
 
 
@@ -24,7 +24,7 @@ def __getattr__(name: str) -> Any:
 
         return ShuffleBuffer
     if name in ("Sharded", "init_distributed"):
-        from .training import distributed
+        from .training import group
 
-        return getattr(distributed, name)
+        return getattr(group, name)
     raise AttributeError(f"module 'procckpt' has no attribute {name!r}")

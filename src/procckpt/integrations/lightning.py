@@ -46,8 +46,8 @@ from ..errors import ProcckptError
 from ..protocol.control import ENV_TOKEN
 from ..store import CheckpointInfo, CheckpointStore, PendingCheckpoint
 from ..training.checkpointer import Checkpointer
-from ..training.distributed import Sharded
 from ..training.driven import DrivenLoop, kept_apart, positioned
+from ..training.group import Sharded
 from ..training.save.frozen import resolve_chunks
 from ..training.state.payload import PAYLOAD
 from ._common import checkpointer_resumed_from, newest_verified

@@ -24,7 +24,7 @@ CHUNKED_FORMAT = 2
 READABLE_FORMATS = (FORMAT_VERSION, CHUNKED_FORMAT)
 MANIFEST = "MANIFEST.json"
 #: The manifest's map of the frozen sharded parameters' DCP files to the chunks that hold them
-#: (training/distributed/frozen_shards.py).
+#: (training/sharded/frozen.py).
 FROZEN_SHARDS = "frozen_shards"
 
 

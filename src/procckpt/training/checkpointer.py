@@ -27,17 +27,16 @@ from ..log import setup_logging
 from ..protocol import control as ctl
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, DirLock
-from . import distributed as dist_
+from . import group as dist_
 from . import loops
 from .fingerprints import check_hook
-from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote
-from .link.failures import open_control
+from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote, open_control
 from .link.liveness import Liveness, NoLiveness
 from .link.timing import CycleTimer
 from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
-from .save.saving import Saves, background_savers, frozen_chunks
+from .saving import Saves, background_savers, frozen_chunks
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest

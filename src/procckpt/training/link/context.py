@@ -16,8 +16,9 @@ from pathlib import Path
 from ...errors import EX_TEMPFAIL, ProcckptError
 from ...protocol import control as ctl
 from ...store.remote import split_location
+from .failures import report_through
 
-__all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested"]
+__all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested", "open_control"]
 
 logger = logging.getLogger(__name__)
 
@@ -113,3 +114,13 @@ def _rank() -> int:
 def force_requested() -> bool:
     """Whether ``PROCCKPT_FORCE`` asks a script run alone to train a finished run again."""
     return os.environ.get("PROCCKPT_FORCE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def open_control(control_dir: Path, token: str | None, rank: int) -> ctl.ControlChannel | None:
+    """The control channel of a launched run (None outside ``procckpt run``), with this rank's
+    uncaught exceptions reported through it (failures.py)."""
+    if not token:
+        return None
+    control = ctl.ControlChannel(control_dir, token)
+    report_through(control, rank)
+    return control

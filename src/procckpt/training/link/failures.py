@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from pathlib import Path
 from types import TracebackType
 
 from ...protocol import control as ctl
 
-__all__ = ["open_control"]
+__all__ = ["report_through"]
 
 #: The channel and rank of the newest Checkpointer of this process, and the hook replaced.
 _current: tuple[ctl.ControlChannel, int] | None = None
@@ -34,15 +33,10 @@ def _report(kind: type[BaseException], value: BaseException,
     _previous(kind, value, tb)
 
 
-def open_control(control_dir: Path, token: str | None, rank: int) -> ctl.ControlChannel | None:
-    """The control channel of a launched run (None outside ``procckpt run``), with this rank's
-    uncaught exceptions reported through it."""
+def report_through(control: ctl.ControlChannel, rank: int) -> None:
+    """From now on, this rank's uncaught exceptions are reported through ``control``."""
     global _current, _previous
-    if not token:
-        return None
-    control = ctl.ControlChannel(control_dir, token)
     _current = (control, rank)
     if sys.excepthook is not _report:
         _previous = sys.excepthook
         sys.excepthook = _report
-    return control

@@ -19,7 +19,7 @@ import time
 
 from ...protocol import control as ctl
 from ...store import CheckpointInfo
-from ..distributed import Flags
+from .flags import Flags
 
 __all__ = ["SaveTriggers", "POLL_SECONDS"]
 

@@ -16,7 +16,7 @@ from typing import Any
 from ...errors import CheckpointCorruptError, CheckpointReadError, UsageError
 from ...protocol.events import append_event
 from ...store import CheckpointInfo, CheckpointStore, read_with_retries
-from .. import distributed as dist_
+from .. import group as dist_
 from ..link.context import force_requested
 from ..position.resplit import resplit_position
 from .mapped import MappedVerification, private_copy

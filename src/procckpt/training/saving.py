@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from ...protocol.events import append_event
-from ...protocol.switches import FROZEN_ONCE
-from ...store import CheckpointInfo, CheckpointStore
-from ..distributed import DistributedCoordinator, GroupWrites, sharded_of
-from ..distributed.shard_copies import ShardWrites
-from ..link.triggers import SaveTriggers
-from ..state.payload import PAYLOAD
-from .arena import NotSnapshottable
-from .background import BackgroundSaver, WriteResult, async_wanted, staged
-from .fence import StepFence
-from .frozen import FrozenChunks
-from .writer import write_checkpoint
+from ..protocol.events import append_event
+from ..protocol.switches import FROZEN_ONCE
+from ..store import CheckpointInfo, CheckpointStore
+from .group import DistributedCoordinator, GroupWrites, sharded_of
+from .group.shard_writes import ShardWrites
+from .link.triggers import SaveTriggers
+from .save.arena import NotSnapshottable
+from .save.background import BackgroundSaver, WriteResult, async_wanted, staged
+from .save.fence import StepFence
+from .save.frozen import FrozenChunks
+from .save.writer import write_checkpoint
+from .state.payload import PAYLOAD
 
 __all__ = ["Saves", "background_savers", "frozen_chunks"]
 

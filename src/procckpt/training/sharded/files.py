@@ -21,20 +21,15 @@ its file gets no sum: the commit reads that one back, as before.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from ..save.writer import StreamingFileWriter, torch_zip_crc_off
-from .backend_threads import let_go
-from .dcp_plans import planner
+from .plans import planner
 
-__all__ = ["Sums", "dcp_writer", "gather_sums", "save_dcp"]
+__all__ = ["Sums", "dcp_writer", "save_dcp"]
 
 #: File name -> (bytes, CRC-32).
 Sums = dict[str, tuple[int, int]]
@@ -150,27 +145,3 @@ def save_dcp(state: dict[str, Any], directory: str | os.PathLike[str], group: An
         dcp.save(state, checkpoint_id=str(directory), storage_writer=writer,
                  planner=planner(copies), process_group=group)
     return files.sums
-
-
-def gather_sums(sums: Sums, group: Any = None,
-                device: torch.device | None = None) -> Sums:
-    """Collective: the sums of the files every rank wrote, on every rank."""
-    device = device or torch.device("cpu")
-    data = json.dumps(sums).encode()
-    world = dist.get_world_size(group)
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    let_go(size, *sizes)
-    lengths = [int(s.item()) for s in sizes]
-    mine = torch.zeros(max(lengths), dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    mine = mine.to(device)
-    texts = [torch.zeros(max(lengths), dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(texts, mine, group=group)
-    let_go(mine, *texts)
-    merged: Sums = {}
-    for text, n in zip(texts, lengths):
-        raw = bytes(text[:n].cpu().tolist())
-        merged.update({name: (int(v[0]), int(v[1])) for name, v in json.loads(raw).items()})
-    return merged

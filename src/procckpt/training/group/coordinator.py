@@ -61,11 +61,12 @@ from ..position.resplit import resplit_position
 from ..save.background import staged
 from ..save.frozen import ChunkPlan
 from ..save.writer import save_payload
+from ..sharded.dcp import dcp_errors, dcp_failure, dcp_failures, dcp_state, sharded_of
+from ..sharded.files import Sums, save_dcp
+from ..sharded.frozen import FrozenPart, FrozenShards, load_sharded_state, split_frozen
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
-from .dcp_files import Sums, gather_sums, save_dcp
-from .frozen_shards import FrozenPart, FrozenShards, load_sharded_state, split_frozen
-from .sharded import dcp_errors, dcp_failure, dcp_failures, dcp_state, sharded_of
+from .sums import gather_sums
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
            "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
@@ -146,7 +147,7 @@ class DistributedCoordinator:
         self.device = device_for_group(group)
         self.agreement = RankAgreement(self.device, sync_every, group)
         self.allow_reshard = allow_reshard
-        #: The background side of this rank's group checkpoints (group_writes.GroupWrites),
+        #: The background side of this rank's group checkpoints (writes.GroupWrites),
         #: when checkpoints are written in the background.
         self.writes: Any = None
         self.frozen_shards = FrozenShards()

@@ -23,8 +23,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ...errors import ProcckptError
-from .dcp_files import Sums, gather_sums, save_dcp
-from .sharded import Sharded, dcp_errors, dcp_failure, dcp_state
+from ..sharded.dcp import Sharded, dcp_errors, dcp_failure, dcp_state
+from ..sharded.files import Sums, save_dcp
+from .sums import gather_sums
 
 __all__ = ["ShardWrites"]
 

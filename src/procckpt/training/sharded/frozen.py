@@ -47,8 +47,8 @@ from ...store import CheckpointInfo, PendingCheckpoint
 from ...store.chunks import ChunkStore, digest_of
 from ...store.manifest import FROZEN_SHARDS
 from ..save.frozen import MIN_BYTES, VERIFY_EVERY, bytes_of
-from .dcp_files import save_dcp
-from .sharded import load_sharded
+from .dcp import load_sharded
+from .files import save_dcp
 
 __all__ = ["FrozenShards", "FrozenPart", "FROZEN_DIR", "split_frozen", "linked_set",
            "load_sharded_state"]

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ...errors import UsageError
+from ..link.flags import Flags
 from .backend_threads import let_go
 
 __all__ = ["Flags", "RankAgreement", "device_for_group", "ENV_SYNC_EVERY",
@@ -27,26 +27,6 @@ ENV_SYNC_EVERY = "PROCCKPT_SYNC_EVERY"
 #: Adaptive agreement aims at one all-reduce this often (the control dir is polled as often).
 AGREE_SECONDS = 0.2
 MAX_SYNC_EVERY = 10_000
-
-
-@dataclass
-class Flags:
-    """What one rank wants at a safe point; after the all-reduce, what the group does."""
-
-    stop: bool = False
-    checkpoint: bool = False
-    interval: bool = False
-    best: bool = False
-    epoch: bool = False
-    seq: int = 0  # the newest launcher request this rank has seen
-    writing: bool = False  # its part of a background group checkpoint is still being written
-    failed: bool = False  # writing its part failed
-
-    def reason(self) -> str | None:
-        for name in ("stop", "checkpoint", "interval", "best", "epoch"):
-            if getattr(self, name):
-                return name
-        return None
 
 
 class RankAgreement:

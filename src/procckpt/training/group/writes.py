@@ -32,13 +32,13 @@ from ..save.arena import NotSnapshottable
 from ..save.background import BackgroundSaver
 from ..save.frozen import ChunkPlan
 from ..save.writer import save_payload
+from ..sharded.dcp import dcp_errors, dcp_failure
+from ..sharded.files import Sums
+from ..sharded.frozen import FrozenPart, split_frozen
 from . import coordinator as files  # write_synced looked up when used: tests replace it
 from .agreement import Flags
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
-from .dcp_files import Sums
-from .frozen_shards import FrozenPart, split_frozen
-from .shard_copies import ShardWrites
-from .sharded import dcp_errors, dcp_failure
+from .shard_writes import ShardWrites
 
 __all__ = ["GroupWrites"]
 

@@ -1,5 +1,7 @@
 """Process groups: joining one, the rank agreement, sharded state and the group checkpoint."""
 
+from ..sharded.dcp import Sharded, load_sharded, sharded_of
+from ..sharded.frozen import load_sharded_state
 from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement
 from .coordinator import (
                           DistributedCoordinator,
@@ -8,10 +10,8 @@ from .coordinator import (
                           check_world_size,
                           coordinator_for,
 )
-from .frozen_shards import load_sharded_state
-from .group_writes import GroupWrites
 from .setup import ENV_POLL_RANKS, first_host, init_distributed, polls_control
-from .sharded import Sharded, load_sharded, sharded_of
+from .writes import GroupWrites
 
 __all__ = ["Sharded", "Flags", "RankAgreement", "DistributedCoordinator", "GroupMember",
            "init_distributed", "polls_control", "first_host", "coordinator_for",
