@@ -12,7 +12,7 @@ from ..durations import format_duration
 from ..errors import CheckpointReadError, ProcckptError, StoreError
 from ..protocol.events import read_events, unreadable_lines
 from ..store import MARKER, CheckpointStore
-from ..store.store import format_size
+from ..store.directory import format_size
 from .goodput import Goodput, compute_goodput
 
 __all__ = ["render_status", "status_data", "LABELS"]

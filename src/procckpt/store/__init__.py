@@ -1,6 +1,7 @@
 """The checkpoint directory: atomic, verified, keep-N checkpoints, the lock and the markers.
 Used by both sides; imports neither."""
 
+from .directory import COMPLETE, MARKER, CheckpointStore
 from .files import (
                     file_crc32,
                     fsync_dir,
@@ -12,7 +13,6 @@ from .files import (
 from .lock import DirLock
 from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo
 from .pending import PendingCheckpoint
-from .store import COMPLETE, MARKER, CheckpointStore
 
 __all__ = ["FORMAT_VERSION", "MANIFEST", "MARKER", "COMPLETE", "CheckpointInfo",
            "CheckpointStore", "DirLock", "PendingCheckpoint", "lasting_write_error",
