@@ -25,6 +25,7 @@ from ..protocol import group
 from ..store import CheckpointStore
 from .child import Child
 from .config import RunConfig
+from .loop import RunLoop
 from .results import ExitReason, RunResult
 from .signals import HANDLED_SIGNALS, Action, SignalPipe, signal_actions
 from .watch import EXIT_AFTER_CONFIRM
@@ -39,7 +40,7 @@ LEADER_WAIT = 600.0
 LOOK_EVERY = 0.5
 
 
-class Follower:
+class Follower(RunLoop):
     """Runs node ``config.node_rank``'s part of a run led by node 0's launcher.
 
     ``clock``, ``child_factory`` and ``wait_signals`` are seams for unit tests, as in the
@@ -71,17 +72,6 @@ class Follower:
         self._last_beat: float | None = None
         self._beat_failed = False
 
-    def run(self) -> RunResult:
-        if self._wait is not None:
-            return self._run()
-        self._signals.install()
-        self._wait = self._signals.wait
-        try:
-            return self._run()
-        finally:
-            self._signals.restore()
-            self._wait = None
-
     def _run(self) -> RunResult:
         logger.info("node %d of %d: following the launcher of node 0 through %s", self.node,
                     self.config.nodes, self.store.control_dir)
@@ -89,7 +79,7 @@ class Follower:
         while True:
             self._beat()
             if self.store.completion():
-                return self._exit(0, ExitReason.FINISHED, "training finished")
+                return self._end(ExitReason.FINISHED, "training finished")
             leader = group.read_leader(self.store.control_dir) or {}
             state = leader.get("state")
             if state in (group.RUNNING, group.BETWEEN):
@@ -106,11 +96,11 @@ class Follower:
                 return self._stopped()
             waited = self._clock() - waiting_since
             if waited >= self.leader_wait:
-                return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED,
-                                  f"node {self.node}: the launcher of node 0 started no cycle "
-                                  f"for {format_duration(waited)} (is it running, with the same "
-                                  f"--dir {self.store.root} on shared storage?); run the same "
-                                  "command again to resume")
+                return self._end(ExitReason.CHECKPOINTED,
+                                 f"node {self.node}: the launcher of node 0 started no cycle "
+                                 f"for {format_duration(waited)} (is it running, with the same "
+                                 f"--dir {self.store.root} on shared storage?); run the same "
+                                 "command again to resume")
             for signum in self._wait(LOOK_EVERY):  # type: ignore[misc]
                 self._on_signal(signum, None, None)
 
@@ -201,20 +191,15 @@ class Follower:
     def _leader_exited(self, leader: dict[str, Any]) -> RunResult:
         code = leader.get("code")
         code = code if isinstance(code, int) else EX_TEMPFAIL
+        said = f"node {self.node}: node 0 exited with {code} ({leader.get('message', '')})"
         if code == 0:
-            return self._exit(0, ExitReason.FINISHED if self.store.completion()
-                              else ExitReason.REQUEUED, f"node {self.node}: node 0 exited with "
-                              f"0 ({leader.get('message', '')})")
-        return self._exit(code, ExitReason.CHECKPOINTED if code == EX_TEMPFAIL
-                          else ExitReason.FAILED,
-                          f"node {self.node}: node 0 exited with {code} "
-                          f"({leader.get('message', '')})")
+            return self._end(ExitReason.FINISHED if self.store.completion()
+                             else ExitReason.REQUEUED, said)
+        if code == EX_TEMPFAIL:
+            return self._end(ExitReason.CHECKPOINTED, said)
+        return self._end(ExitReason.FAILED, said, error=True, command_code=code)
 
     def _stopped(self) -> RunResult:
-        return self._exit(EX_TEMPFAIL, ExitReason.CHECKPOINTED,
-                          f"node {self.node}: stopped after {self.stopped_by}; run the same "
-                          "command again to resume")
-
-    def _exit(self, code: int, reason: ExitReason, message: str) -> RunResult:
-        (logger.info if code in (0, EX_TEMPFAIL) else logger.error)("%s", message)
-        return RunResult(code, reason, self.cycles, message)
+        return self._end(ExitReason.CHECKPOINTED,
+                         f"node {self.node}: stopped after {self.stopped_by}; run the same "
+                         "command again to resume")

@@ -14,9 +14,9 @@
     SIGCONT         forwarded (Slurm sends it with SIGTERM to wake suspended jobs)
 
 A stop signal during the deadline's stop is kept: the run ends after that checkpoint
-(watch.py). USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP uses
-SIGUSR2
-internally, so the request reaches the training process through ``control/`` instead. Under
+(watch.py). USR1/USR2 are never forwarded raw: NCCL installs a SIGUSR1 handler and DMTCP
+uses SIGUSR2 internally, so the request reaches the training process through ``control/``
+instead. Under
 ``--engine dmtcp`` DMTCP's own checkpoint signal is moved to SIGRTMIN+6 (engines/dmtcp/engine.py).
 docs/cli.md repeats the table for users.
 """

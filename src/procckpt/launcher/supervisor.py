@@ -27,10 +27,11 @@ from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
-from .decide import EXIT_CODES, Action, RunSoFar, Step, after_cycle, after_node_loss, after_verdict
+from .decide import Action, RunSoFar, Step, after_cycle, after_node_loss, after_verdict
 from .engines import Engine
 from .engines.choice import imports_procckpt
 from .hang import HangWatch, dump_stacks
+from .loop import RunLoop
 from .plan import CheckpointPlan
 from .restart import RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult, exit_words
@@ -53,7 +54,7 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 INDUCTOR_CACHE_DIR = "compile-cache"
 
 
-class Supervisor:
+class Supervisor(RunLoop):
     """Runs one ``procckpt run`` invocation to its end.
 
     ``clock``, ``child_factory``, ``wait_signals`` and ``stack_dumper`` are seams for unit
@@ -99,17 +100,6 @@ class Supervisor:
         self.board = LeaderBoard(store.control_dir, config.nodes) if config.nodes > 1 else None
 
     # -- the whole run ---------------------------------------------------------------------
-    def run(self) -> RunResult:
-        if self._wait is not None:  # a test drives the signals
-            return self._run()
-        self._signals.install()
-        self._wait = self._signals.wait
-        try:
-            return self._run()
-        finally:
-            self._signals.restore()
-            self._wait = None
-
     def _run(self) -> RunResult:
         restarts = self.policy.initial_restarts
         last_step: int | None = self._latest_step()
@@ -338,16 +328,13 @@ class Supervisor:
 
     def _exit(self, reason: ExitReason, message: str, error: bool = False,
               command_code: int = 0) -> RunResult:
-        """End the run: its exit code from decide.py's table (the command's own where the
-        table says so), journalled, said, and handed to node 0's followers."""
-        code = EXIT_CODES[reason]
-        code = command_code if code is None else code
+        """End the run (loop.py), journalled and handed to node 0's followers."""
+        result = self._end(reason, message, error, command_code)
         if self.board is not None:
-            self.board.exited(code, message)
-        append_event(self.store.events_path, "exit", code=code, reason=reason.value,
+            self.board.exited(result.exit_code, message)
+        append_event(self.store.events_path, "exit", code=result.exit_code, reason=reason.value,
                      message=message, cycles=self.cycles)
-        (logger.error if error else logger.info)("%s", message)
-        return RunResult(code, reason, self.cycles, message)
+        return result
 
     def _latest_step(self) -> int | None:
         """The newest checkpoint's step (its number for engines that know no steps), as
