@@ -125,7 +125,8 @@ class Supervisor(RunLoop):
             # A command that has checkpointed before, or whose script imports procckpt, and
             # merely started too slowly (torchrun and its workers under load) makes no
             # progress; it is not unable to.
-            slow = None if outcome.connected or outcome.confirmed else self._slow_start()
+            slow = None if outcome.connected or outcome.confirmed or outcome.stop_cause is None \
+                else self._slow_start()
             step = after_cycle(outcome, RunSoFar(restarts, self.config.max_restarts, last_step,
                                                  self.engine.stuck, slow))
             progress, verdict_message = None, ""
