@@ -3,12 +3,12 @@ Used by both sides; imports neither."""
 
 from .directory import COMPLETE, MARKER, CheckpointStore
 from .files import (
-                    file_crc32,
-                    fsync_dir,
-                    lasting_write_error,
-                    read_small_file,
-                    read_with_retries,
-                    write_file_atomic,
+    file_crc32,
+    fsync_dir,
+    lasting_write_error,
+    read_small_file,
+    read_with_retries,
+    write_file_atomic,
 )
 from .lock import DirLock
 from .manifest import FORMAT_VERSION, MANIFEST, CheckpointInfo

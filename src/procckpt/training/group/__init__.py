@@ -1,14 +1,15 @@
 """Process groups: joining one, the rank agreement, sharded state and the group checkpoint."""
 
+from ..link.flags import Flags
 from ..sharded.dcp import Sharded, load_sharded, sharded_of
 from ..sharded.frozen import load_sharded_state
-from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement
+from .agreement import ENV_SYNC_EVERY, RankAgreement
 from .coordinator import (
-                          DistributedCoordinator,
-                          GroupMember,
-                          WorldSizeMismatch,
-                          check_world_size,
-                          coordinator_for,
+    DistributedCoordinator,
+    GroupMember,
+    WorldSizeMismatch,
+    check_world_size,
+    coordinator_for,
 )
 from .setup import ENV_POLL_RANKS, first_host, init_distributed, polls_control
 from .writes import GroupWrites

@@ -19,7 +19,7 @@ from ...errors import UsageError
 from ..link.flags import Flags
 from .backend_threads import let_go
 
-__all__ = ["Flags", "RankAgreement", "device_for_group", "ENV_SYNC_EVERY",
+__all__ = ["RankAgreement", "device_for_group", "ENV_SYNC_EVERY",
            "AGREE_SECONDS"]
 
 #: Agree every N steps instead of the adaptive default.

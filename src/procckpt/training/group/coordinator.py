@@ -57,6 +57,7 @@ from ...store import (
     fsync_dir,
     lasting_write_error,
 )
+from ..link.flags import Flags
 from ..position.resplit import resplit_position
 from ..save.background import staged
 from ..save.frozen import ChunkPlan
@@ -64,7 +65,7 @@ from ..save.writer import save_payload
 from ..sharded.dcp import dcp_errors, dcp_failure, dcp_failures, dcp_state, sharded_of
 from ..sharded.files import Sums, save_dcp
 from ..sharded.frozen import FrozenPart, FrozenShards, load_sharded_state, split_frozen
-from .agreement import ENV_SYNC_EVERY, Flags, RankAgreement, device_for_group
+from .agreement import ENV_SYNC_EVERY, RankAgreement, device_for_group
 from .backend_threads import let_go, settle_at_exit
 from .sums import gather_sums
 

@@ -28,6 +28,7 @@ from typing import Any
 from ...errors import ProcckptError
 from ...protocol import control as ctl
 from ...store import CheckpointInfo, PendingCheckpoint
+from ..link.flags import Flags
 from ..save.arena import NotSnapshottable
 from ..save.background import BackgroundSaver
 from ..save.frozen import ChunkPlan
@@ -36,7 +37,6 @@ from ..sharded.dcp import dcp_errors, dcp_failure
 from ..sharded.files import Sums
 from ..sharded.frozen import FrozenPart, split_frozen
 from . import coordinator as files  # write_synced looked up when used: tests replace it
-from .agreement import Flags
 from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
 from .shard_writes import ShardWrites
 
