@@ -251,6 +251,13 @@ class Progress:
                 # script's own stateful iterator is left lazy: it may load its samples, and
                 # draw for them, when each batch is asked for, as it did before the stop.)
                 iterator = itertools.chain([next(iterator)], iterator)
+            if skip and self._resume_rng is not None:
+                # A pass opened from its state draws from the loader's generators otherwise
+                # than the pass it continues did (torchdata's StatefulDataLoader sets its
+                # sampler's generator back to the saved state and draws the permutation
+                # again): they go on from where that pass had left them at the checkpoint, or
+                # the next epoch is shuffled otherwise than in the uninterrupted run.
+                restore_generators(generators, self._resume_rng.get("loader_generators", []))
             how = ("restored the loader's own state (nothing read again)" if stateful is loader
                    else "restored the data set's own state (nothing read again)")
         else:
