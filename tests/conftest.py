@@ -17,6 +17,11 @@ EXAMPLES = REPO / "examples"
 PROGRAMS = Path(__file__).resolve().parent / "harness" / "programs"
 PYTHON = sys.executable
 
+# Every resume of the suite's trainings is audited strictly (training/audit.py): a resume whose
+# first batch is not the one the stopped run was about to train on stops with exit code 66, so
+# a false alarm (or a real hole) fails the test that resumed. A test of the default says so.
+os.environ.setdefault("PROCCKPT_AUDIT", "strict")
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:

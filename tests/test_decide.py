@@ -48,6 +48,10 @@ AFTER_CYCLE = {
     "no space": (CycleOutcome(74), RUN, (Action.EXIT, ExitReason.STORAGE_FAILED, "")),
     "every checkpoint damaged": (CycleOutcome(65), RUN,
                                  (Action.EXIT, ExitReason.CHECKPOINTS_UNUSABLE, "")),
+    "a resume's first batch differs, strict": (
+        CycleOutcome(66, audit_refused=True), RUN, (Action.EXIT, ExitReason.AUDIT_REFUSED, "")),
+    "...told by a rank under torchrun, which exits 1": (
+        CycleOutcome(1, audit_refused=True), RUN, (Action.EXIT, ExitReason.AUDIT_REFUSED, "")),
     "finished": (CycleOutcome(0, finished=True), RUN, (Action.EXIT, ExitReason.FINISHED, "")),
     "finished as its stop came": (CycleOutcome(143, DEADLINE, finished=True), RUN,
                                   (Action.EXIT, ExitReason.FINISHED, "")),

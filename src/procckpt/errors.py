@@ -22,6 +22,8 @@ __all__ = [
     "EX_SOFTWARE",
     "EX_TEMPFAIL",
     "EX_NOTFOUND",
+    "EX_AUDIT",
+    "ResumeAuditError",
 ]
 
 #: Exit codes. EX_TEMPFAIL (sysexits' "temporary failure, retry") is what procckpt
@@ -36,6 +38,10 @@ EX_IOERR = 74
 #: was incorrect". Never restarted either: it would find the same damage.
 EX_DATAERR = 65
 EX_TEMPFAIL = 75
+#: A resumed run's first batch was not the one the interrupted run was about to train on, and
+#: ``--audit strict`` stopped it (training/audit.py). Never restarted: it would resume the
+#: same way. (Not sysexits' meaning of 66: a code of procckpt's own in its unused range.)
+EX_AUDIT = 66
 #: The command was stopped (its time limit, a stop signal) and nothing could be saved.
 EX_NOT_SAVED = 124
 EX_NOTFOUND = 127
@@ -89,6 +95,13 @@ class StorageError(ProcckptError):
     permission, a read-only file system); the previous checkpoint is intact."""
 
     exit_code = EX_IOERR
+
+
+class ResumeAuditError(ProcckptError):
+    """A resumed run would train on other data than the interrupted run was about to, and
+    ``--audit strict`` stops it before it does."""
+
+    exit_code = EX_AUDIT
 
 
 _EXITING: dict[type, type] = {}

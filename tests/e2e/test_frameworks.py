@@ -81,6 +81,12 @@ def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framewo
     mid_epoch = [e for e in events(ckpt, "resume") if e["batch"] > 0]
     assert mid_epoch, events(ckpt, "resume")
     assert_bit_identical(expected, out)
+    # Every resume's first batch was audited (each rank's); none was flagged. (A stop at an
+    # epoch's end records nothing to compare.)
+    assert "resume audit:" not in res.stderr, res.stderr[-3000:]
+    verdicts = [e["verdict"] for e in events(ckpt, "audit")]
+    assert len(verdicts) <= len(events(ckpt, "resume")), verdicts
+    assert "same" in verdicts and set(verdicts) <= {"same", "unrecorded"}, verdicts
 
     status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
     assert status.returncode == 0, status.stderr

@@ -106,6 +106,10 @@ def test_a_stream_through_a_framework_resumes_bit_identical(workdir: Path, frame
     assert len(mid_epoch) >= 2, res.stderr[-3000:]
     how = "replayed the" if framework == "trainer" else "restored the loader's own state"
     assert all(how in line for line in mid_epoch), mid_epoch
+    # Each resume's first batch was audited, and none was flagged.
+    assert "resume audit:" not in res.stderr, res.stderr[-3000:]
+    verdicts = [e["verdict"] for e in events(ckpt, "audit")]
+    assert "same" in verdicts and set(verdicts) <= {"same", "unrecorded"}, verdicts
     steps = [line for line in res.stdout.splitlines() if line.startswith("step ")]
     assert len({line.split()[1] for line in steps}) == 200, steps[-3:]  # 2 epochs of 100
     assert_bit_identical(expected, out)

@@ -40,6 +40,8 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
         "goodput": goodput.as_json() if goodput is not None else None,
         "launches": _count(history, "start"), "restarts": _count(history, "restart"),
         "hangs": _count(history, "hang"),
+        "audits": [{k: e.get(k) for k in ("checkpoint", "epoch", "batch", "step", "verdict")}
+                   for e in history if e.get("event") == "audit"],
         "checkpoints": _checkpoints(store, history, verify),
         "events": history[-events:] if events > 0 else [],
     }
@@ -101,6 +103,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
             line += (f"; {skip.get('batches')} batches passed over in "
                      f"{skip.get('seconds', 0):.2f}s ({str(skip.get('how', '?')).split(' (')[0]})")
         lines.append(line)
+    if (audits := audit_line(history)) is not None:
+        lines.append(audits)
     period = next((e for e in reversed(history) if e.get("event") == "interval"), None)
     if period is not None:
         seconds = period.get("seconds")
@@ -121,6 +125,28 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
 LABELS = {"training": "training", "startup": "startup", "restore": "restore",
           "replay": "replay", "checkpoint_stall": "checkpoint stalls", "lost": "lost work",
           "idle": "idle", "queue": "queued"}
+
+
+def audit_line(history: list[dict[str, Any]]) -> str | None:
+    """How the resumes' first batches compared with the batches the stopped runs were about to
+    train on (training/audit.py): 'resume audits: 3 same, 1 differs (last that differed:
+    ckpt-00000004, batch 7 of epoch 1)'; None before any resume was audited."""
+    audits = [e for e in history if e.get("event") == "audit"]
+    if not audits:
+        return None
+    counts: dict[str, int] = {}
+    for e in audits:
+        verdict = str(e.get("verdict", "?")).split(" on rank")[0]  # a group's: differs
+        counts[verdict] = counts.get(verdict, 0) + 1
+    order = ["same", "differs", "refused", "unrecorded"]
+    words = ", ".join(f"{counts[v]} {v}" for v in sorted(counts, key=lambda v: (
+        order.index(v) if v in order else len(order), v)))
+    bad = [e for e in audits if str(e.get("verdict")).startswith(("differs", "refused"))]
+    if not bad:
+        return f"resume audits: {words}"
+    last = bad[-1]
+    return (f"resume audits: {words} (last that differed: {last.get('checkpoint', '?')}, batch "
+            f"{last.get('batch', '?')} of epoch {last.get('epoch', '?')}; see docs/resume.md)")
 
 
 def _goodput_lines(goodput: Goodput) -> list[str]:

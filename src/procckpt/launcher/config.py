@@ -20,6 +20,7 @@ import yaml
 
 from ..durations import parse_duration
 from ..errors import UsageError
+from ..protocol.control import AUDIT_MODES
 from ..protocol.switches import TRAINING_SWITCHES
 from ..store.remote import ENV_LOCAL, split_location
 
@@ -132,6 +133,14 @@ def _engine(v: Any, option: str) -> str:
     return text
 
 
+def _audit(v: Any, option: str) -> str:
+    text = OFF if v is False else str(v).strip().lower()  # YAML reads a bare `off` as false
+    if text not in AUDIT_MODES:
+        raise UsageError(f"bad {option} {v!r}: choose strict (stop a resume whose first batch "
+                         "differs), warn or off")
+    return text
+
+
 def _signal(v: Any, option: str) -> str:
     name = str(v).strip().upper().removeprefix("SIG")
     if not hasattr(signal, f"SIG{name}") or name in ("KILL", "STOP"):
@@ -193,6 +202,10 @@ class RunConfig:
                                   _duration, "DURATION")
     checkpoint_signal: str = _option(
         "USR1", "Signal meaning 'checkpoint now, then stop' besides SIGTERM.", _signal, "SIG")
+    audit: str = _option(
+        "warn", "After a resume, compare its first batch with the one the interrupted run was "
+        "about to train on; strict stops a resume whose batch differs (exit code 66), warn "
+        "says so and goes on.", _audit, "|".join(AUDIT_MODES))
     #: A run on several nodes, each starting its own part of the command under its own
     #: launcher (Kubernetes pods): how many, and which one this is (0 leads).
     nodes: int = _option(1, "The run spans N nodes, each starting its own part of the "

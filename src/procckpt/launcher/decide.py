@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from ..errors import EX_DATAERR, EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
+from ..errors import EX_AUDIT, EX_DATAERR, EX_IOERR, EX_NOT_SAVED, EX_TEMPFAIL
 from .restart import Decision
 from .results import CycleOutcome, ExitReason
 
@@ -28,6 +28,7 @@ EXIT_CODES: dict[ExitReason, int | None] = {
     ExitReason.REQUEUED: 0,
     ExitReason.HUNG: 1,
     ExitReason.CHECKPOINTS_UNUSABLE: EX_DATAERR,
+    ExitReason.AUDIT_REFUSED: EX_AUDIT,
     ExitReason.STORAGE_FAILED: EX_IOERR,
     ExitReason.CHECKPOINTED: EX_TEMPFAIL,
     ExitReason.BUDGET_EXHAUSTED: EX_TEMPFAIL,
@@ -87,6 +88,8 @@ def after_cycle(outcome: CycleOutcome, run: RunSoFar) -> Step:
         return _exit(ExitReason.STORAGE_FAILED)  # no space, no permission: would repeat
     if outcome.exit_code == EX_DATAERR and not outcome.finished:
         return _exit(ExitReason.CHECKPOINTS_UNUSABLE)  # a restart would find the same
+    if outcome.audit_refused and not outcome.finished:
+        return _exit(ExitReason.AUDIT_REFUSED)  # a restart would resume the same way
     if outcome.finished:
         # A run that marked itself complete and was then stopped by us (the deadline came
         # while it was exiting: torchrun and its workers take seconds) finished.

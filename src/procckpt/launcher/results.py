@@ -28,6 +28,7 @@ class ExitReason(enum.Enum):
     FAILED = "failed"  # the command's own exit code
     INTERRUPTED = "interrupted"  # the command ended after a signal passed on to it
     HUNG = "hung"  # stuck again and again, past the restart budget
+    AUDIT_REFUSED = "audit-refused"  # --audit strict: a resume's first batch was not the one
 
 
 @dataclass
@@ -56,6 +57,8 @@ class CycleOutcome:
     hung: bool = False  # no step completed for the hang timeout: we stopped it
     #: Nodes of the job found lost (a scheduler's LostNode), which ended the cycle.
     lost_nodes: list[object] = field(default_factory=list)
+    #: A rank stopped because its first batch after a resume differed (--audit strict).
+    audit_refused: bool = False
 
     @property
     def stop_text(self) -> str:

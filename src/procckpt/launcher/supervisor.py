@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..durations import format_duration
-from ..errors import EX_DATAERR, EX_IOERR
+from ..errors import EX_AUDIT, EX_DATAERR, EX_IOERR
 from ..protocol import control as ctl
 from ..protocol.events import append_event
 from ..protocol.group import LeaderBoard
@@ -210,6 +210,12 @@ class Supervisor(RunLoop):
             message = (f"no checkpoint of {self.store.root} can be used (the training's error "
                        "above says why); a restart would find the same, so it is not "
                        "restarted")
+        elif reason is ExitReason.AUDIT_REFUSED:
+            message = ("the resumed training stopped before its first batch (--audit strict): "
+                       "that batch was not the one the interrupted run was about to train on "
+                       "(the training's line above says which); a restart would resume the same "
+                       "way, so it is not restarted: make the data order resumable, or run with "
+                       "--audit warn to go on")
         elif reason is ExitReason.FINISHED:
             message = "training finished"
         elif reason is ExitReason.NO_PROGRESS:
@@ -230,7 +236,8 @@ class Supervisor(RunLoop):
         stop confirmed (the policy asks the scheduler); [] otherwise."""
         if outcome.lost_nodes:
             return outcome.lost_nodes
-        if outcome.finished or outcome.confirmed is not None or outcome.forwarded:
+        if outcome.finished or outcome.confirmed is not None or outcome.forwarded \
+                or outcome.audit_refused:
             return []
         if outcome.hung or outcome.stop_cause is not None \
                 or outcome.exit_code not in (0, EX_IOERR, EX_DATAERR):
@@ -358,11 +365,12 @@ class Supervisor(RunLoop):
         env.setdefault(INDUCTOR_CACHE_ENV, str(self.store.root / INDUCTOR_CACHE_DIR))
         env.update({ctl.ENV_DIR: str(self.store.root),
                     ctl.ENV_RESTART: str(restart_number(self.store, restarts)),
-                    ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name})
+                    ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name,
+                    ctl.ENV_AUDIT: self.config.audit})
         if self.board is not None:  # the other nodes start their part with the same env
             self.board.running(token, self.cycles, {
                 k: env[k] for k in (*engine_env, ctl.ENV_DIR, ctl.ENV_RESTART, ctl.ENV_CYCLE,
-                                    ctl.ENV_ENGINE)})
+                                    ctl.ENV_ENGINE, ctl.ENV_AUDIT)})
         child = self._child_factory(argv, env)
         self.hangs.start_cycle()
         started = self._clock()
@@ -407,6 +415,8 @@ class Supervisor(RunLoop):
                                                signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and (complete or {}).get("token") in (token, None)
+        outcome.audit_refused = outcome.exit_code == EX_AUDIT or any(
+            str(f.get("error", "")).startswith(ctl.AUDIT_REFUSED) for f in self.engine.failures())
         outcome.lost_nodes = self._lost_nodes(outcome)
         if self.board is not None:
             self.board.between()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..durations import format_duration
+from ..protocol.control import AUDIT_REFUSED
 from ..protocol.events import append_event
 from ..store import CheckpointStore
 from . import pid1
@@ -266,7 +267,9 @@ class CycleWatch:
             return None
         if self.rank_failed is None:
             self.next_failure_look = now + FAILURE_POLL
-            found = self.engine.failures()
+            # A rank the audit stopped (--audit strict) said why itself, and its peers stop too.
+            found = [f for f in self.engine.failures()
+                     if not str(f.get("error", "")).startswith(AUDIT_REFUSED)]
             if not found:
                 return None
             first = found[0]

@@ -46,7 +46,7 @@ from typing import Any
 
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
            "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "CHECK_UNSAVED", "keep_unsaved_advice",
-           "STACK_DUMP_SIGNAL"]
+           "STACK_DUMP_SIGNAL", "ENV_AUDIT", "AUDIT_MODES", "AUDIT_REFUSED"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
 ENV_DIR = "PROCCKPT_DIR"
@@ -58,6 +58,11 @@ ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
 ENV_CHECK = "PROCCKPT_CHECK"
 #: In its traces: the parts that hold what the script keeps and no checkpoint does.
 CHECK_UNSAVED = "unsaved."
+#: The first-batch audit of a resume (training/audit.py): strict, warn (unset) or off.
+ENV_AUDIT = "PROCCKPT_AUDIT"
+AUDIT_MODES = ("strict", "warn", "off")
+#: What a rank that the audit stopped reports as its failure's kind (``report_failure``).
+AUDIT_REFUSED = "ResumeAuditError"
 
 
 def keep_unsaved_advice(names: list[str]) -> str:

@@ -12,9 +12,11 @@ from typing import Any
 from ..errors import StoreError
 from .files import fsync_dir, read_small_file, write_file_atomic
 
-__all__ = ["Completion", "COMPLETE"]
+__all__ = ["Completion", "COMPLETE", "AUDIT_DIR"]
 
 COMPLETE = "COMPLETE"
+#: Where the training records the batch that follows each checkpoint (training/audit.py).
+AUDIT_DIR = "audit"
 
 
 class Completion:
@@ -60,6 +62,8 @@ class Completion:
         dest = self.root / time.strftime("previous-%Y%m%d-%H%M%S")
         dest.mkdir()
         os.rename(self.ckpt_root, dest / "checkpoints")
+        if (self.root / AUDIT_DIR).exists():  # the batches after those checkpoints go with them
+            os.rename(self.root / AUDIT_DIR, dest / AUDIT_DIR)
         if self.complete_path.exists():
             os.rename(self.complete_path, dest / COMPLETE)
         self.ckpt_root.mkdir()

@@ -22,14 +22,15 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn, TypeVar
 
-from ..errors import ProcckptError, StorageError, logged_exit
+from ..errors import ProcckptError, ResumeAuditError, StorageError, logged_exit
 from ..log import setup_logging
 from ..protocol import control as ctl
 from ..protocol.events import append_event
 from ..store import CheckpointInfo, CheckpointStore, DirLock
 from . import group as dist_
 from . import loops
-from .fingerprints import check_hook
+from .audit import OFF, BatchAudit, audit_mode
+from .fingerprints import CheckHook, check_hook
 from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote, open_control
 from .link.liveness import Liveness, NoLiveness
 from .link.timing import CycleTimer
@@ -137,6 +138,8 @@ class Checkpointer:
                 if control is not None and self.is_writer else NoLiveness()
             self._timer = CycleTimer(self._journal if control is not None else None)
             self._check = check_hook()
+            self._control = control
+            self._audit = self._open_audit()
             self._finished = False
             #: Inside the body of the batches() loop (between a yield and the next batch).
             self._in_batch = False
@@ -266,6 +269,7 @@ class Checkpointer:
             StorageError: no space or no permission in the checkpoint dir (logged in one line;
                 uncaught, it ends the process with exit code 74 and no traceback).
         """
+        self._audit.saved(self._progress.position)
         try:
             with self._liveness.working():
                 return self._saves.pruned(self._save(reason))
@@ -287,6 +291,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a checkpoint in flight, then release the checkpoint dir (done at exit)."""
         self._liveness.close()
+        self._audit.flush()
         try:
             if self._background is not None:
                 self._background.close()
@@ -318,7 +323,10 @@ class Checkpointer:
 
     # -- resuming --------------------------------------------------------------------------
     def _resume(self) -> CheckpointInfo | None:
-        return resume_newest(self)
+        info = resume_newest(self)
+        if info is not None:  # its first batch is compared with the one recorded (audit.py)
+            self._audit.resumed(info.name, self._progress.position)
+        return info
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return load_newest_verified(self.store, lambda info, payload: apply_payload(
@@ -378,6 +386,7 @@ class Checkpointer:
 
     def _checkpoint(self, reason: str) -> None:
         triggers = self._triggers
+        self._audit.saved(self._progress.position)  # the batch that follows is recorded
         if triggers.stop_reason is None and self._saves.in_background(
                 reason, self._progress.position, self._meta, self._payload, self._member):
             return  # acknowledged once durable (a group's once every rank's part is)
@@ -394,8 +403,26 @@ class Checkpointer:
         logger.info("stopping after checkpoint at step %d (%s); run again to resume",
                     self.step, self._triggers.stop_reason)
         self._exiting = True
+        self._audit.before_exit()  # the batch a resume must start with, for its audit
         self.close()
         raise SystemExit(code)
+
+    def _open_audit(self) -> BatchAudit:
+        """The first-batch audit (audit.py); procckpt check compares whole states instead."""
+        return BatchAudit(
+            self.dir, self.rank, OFF if isinstance(self._check, CheckHook) else audit_mode(),
+            self._journal, self._refuse_resume,
+            self._dist.any_rank if self._dist is not None else None)
+
+    def _refuse_resume(self, message: str) -> NoReturn:
+        """``--audit strict``: the resumed run would train on other data than the interrupted
+        one; end it before it does, and tell the launcher (which does not restart it)."""
+        if self._control is not None:
+            with contextlib.suppress(OSError):
+                self._control.report_failure(self.rank, f"{ctl.AUDIT_REFUSED}: {message}")
+        self._exiting = True
+        self.close()
+        raise logged_exit(ResumeAuditError(message), logger)
 
     def _finish(self) -> None:
         if self._finished:

@@ -66,7 +66,8 @@ class DrivenLoop:
         _tell_samplers(loader, progress.epoch)
         self.opening = True
         try:
-            return progress.open_loader(loader, ckpt._journal, isolate_loads=True)
+            iterator = progress.open_loader(loader, ckpt._journal, isolate_loads=True)
+            return ckpt._audit.wrap(iterator, progress, progress.remapped)
         except ProcckptError as e:
             ckpt._exiting = True
             raise logged_exit(e, logger) from None

@@ -66,6 +66,7 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
     except ProcckptError as e:
         ck._exiting = True
         raise logged_exit(e, logger) from None
+    iterator = ck._audit.wrap(iterator, progress, progress.remapped)
     ck._window = window = window_ended()
     last = last_batch(progress)
     for item in iterator:
@@ -103,6 +104,7 @@ def steps(ck: Any, total: int) -> Iterator[int]:
         return
     ck._progress.check_streams(ck._journal)
     numbers = progress.open_range(total)
+    ck._audit.stop_expecting()  # steps() hands out numbers: no batch of procckpt's to compare
     alone = not progress.in_epochs
     if alone and progress.step >= total:
         if ck.resumed_from is not None:

@@ -3,13 +3,16 @@
 ``--framework accelerate`` (the loader prepared with ``use_stateful_dataloader``, then
 ``ckpt.batches()``), ``lightning`` (``ProcckptCallback``; the data set's epoch set in
 ``on_train_epoch_start``) or ``trainer`` (the Hugging Face Trainer's own DataLoader with 2
-workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the final
-weights to ``--out``; prints "step N" and the
-batch's first ids after each step."""
+workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the
+final weights to ``--out``; prints "resumed S" as training starts (S: the step it resumed from)
+and "step N trained I I I ..." (the batch's sample ids) after each step (the Trainer: "step
+N"). ``--corrupt-on-resume``: a resumed process flips every label its loader hands out (a
+transform changed between two starts), for the audit to catch."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +38,30 @@ def data_and_loader(args: argparse.Namespace) -> tuple[procckpt.ShuffleBuffer, o
         example.make_data(folder, args.files, args.rows, parquet=False)
     data = procckpt.ShuffleBuffer(example.streamed(sorted(folder.glob("*.jsonl")), False),
                                   size=32, seed=0)
-    return data, StatefulDataLoader(data, batch_size=8, num_workers=2)
+    return data, StatefulDataLoader(data, batch_size=8, num_workers=2,
+                                    collate_fn=collate(args))
+
+
+def resumed() -> bool:
+    return os.environ.get("PROCCKPT_RESTART", "0") != "0"
+
+
+def collate(args: argparse.Namespace, base=None):
+    """The loader's collate function; with --corrupt-on-resume, in a resumed process, one that
+    flips the labels."""
+    from torch.utils.data import default_collate
+
+    base = base or default_collate
+    if not (args.corrupt_on_resume and resumed()):
+        return base
+
+    def flipped(samples):
+        batch = base(samples)
+        for key in ("label", "labels"):
+            if key in batch:
+                batch[key] = 1 - batch[key]
+        return batch
+    return flipped
 
 
 def with_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -50,13 +76,16 @@ def with_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             super().__init__()
             self.net = model()
 
+        def on_train_start(self) -> None:
+            print("resumed", self.trainer.global_step, flush=True)
+
         def on_train_epoch_start(self) -> None:
             data.set_epoch(self.current_epoch)
 
         def training_step(self, batch, batch_idx):
             loss = nn.functional.cross_entropy(self.net(batch["tokens"]), batch["label"])
             time.sleep(args.step_sleep)
-            print(f"step {self.trainer.global_step + 1} ids {batch['id'][:3].tolist()}",
+            print("step", self.trainer.global_step + 1, "trained", *batch["id"].tolist(),
                   flush=True)
             return loss
 
@@ -83,6 +112,7 @@ def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     data, loader = data_and_loader(args)
     net, optimizer, loader = accelerator.prepare(net, optimizer, loader)
     ckpt = procckpt.Checkpointer(model=net, optimizer=optimizer)
+    print("resumed", ckpt.step, flush=True)
     for epoch in ckpt.epochs(args.epochs):
         data.set_epoch(epoch)
         for batch in ckpt.batches(loader):
@@ -91,7 +121,7 @@ def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             optimizer.step()
             optimizer.zero_grad()
             time.sleep(args.step_sleep)
-            print(f"step {ckpt.step + 1} ids {batch['id'][:3].tolist()}", flush=True)
+            print("step", ckpt.step + 1, "trained", *batch["id"].tolist(), flush=True)
     return accelerator.unwrap_model(net).state_dict()
 
 
@@ -126,8 +156,10 @@ def with_trainer(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         save_strategy="no", logging_strategy="no", report_to=[], seed=0, use_cpu=True,
         dataloader_num_workers=2, remove_unused_columns=False, disable_tqdm=True)
     cb = ProcckptCallback()
+    from transformers import default_data_collator
+
     trainer = Trainer(model=classifier, args=training, train_dataset=data,
-                      callbacks=[cb, Steps()])
+                      data_collator=collate(args, default_data_collator), callbacks=[cb, Steps()])
     trainer.train(resume_from_checkpoint=cb.resume_from)
     return classifier.net.state_dict()
 
@@ -142,6 +174,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--corrupt-on-resume", action="store_true")
     args = parser.parse_args()
     train = {"lightning": with_lightning, "accelerate": with_accelerate,
              "trainer": with_trainer}[args.framework]

@@ -106,6 +106,9 @@ class Progress:
         #: ranks (resplit.py); the rest of the epoch is dealt out without them.
         self.samples_before = 0
         self._replay_said = False  # whether the first loader's replay on a resume was told
+        #: Whether the pass opened last deals the data out otherwise than the checkpoint's run
+        #: did (another world size or batch size): its batches are not the same ones.
+        self.remapped = False
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -205,6 +208,7 @@ class Progress:
             ProcckptError: the loader has fewer batches than the checkpoint's position.
         """
         check_loader(loader)
+        self.remapped = bool(self.samples_before)
         if self.in_epochs:
             align_epoch(loader, self.epoch)
         generators = loader_generators(loader)
@@ -266,6 +270,7 @@ class Progress:
                 self._say_replay(loader, shape, journal)
             skip, changed = map_position(saved_shape, shape, skip)
             if changed:
+                self.remapped = True
                 logger.warning("%s", changed)
                 if journal is not None:
                     append_event(journal, "warning", step=self.step, message=changed)

@@ -1,0 +1,350 @@
+"""The first-batch audit: a resumed run checks, in the user's real job, that the first batch it
+trains on is the one the interrupted run was about to train on.
+
+A checkpoint taken at position P (epoch, batch, step) is followed by the batch at P. Its
+fingerprint (a CRC-32 over the batch's tensors with their dtypes and shapes, and over its
+plain values) is recorded beside the checkpoints, in ``audit/rank-R.json`` (each rank its
+own), keyed by P:
+
+- a periodic checkpoint: when the loop hands that batch out anyway (a loader that fetches
+  ahead, as Lightning's does, handed it out before the checkpoint: it is taken then), so no
+  batch is read for the audit;
+- a stop: the batch is fetched after the checkpoint is durable, never trained on, just
+  before the process exits.
+
+A run resumed at P fingerprints the first batch its loader hands out and compares. The same:
+nothing is said (the journal notes it for ``procckpt status``). Different: one line says
+which batch differs and what usually causes it; under ``PROCCKPT_AUDIT=strict`` (``procckpt
+run --audit strict``) the run stops with exit code 66 before it trains on it. Nothing
+recorded (a stop at an epoch's end, whose next batch belongs to a pass not opened yet; a
+resume on a node that never saw the checkpoint's run; a record lost with the process): the
+journal says ``unrecorded`` and the run goes on.
+
+A resume with another number of ranks or another batch size deals the data out anew: the
+batches differ by design, and nothing is compared.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+
+from ..errors import UsageError
+from ..protocol.control import AUDIT_MODES, ENV_AUDIT
+from ..protocol.events import append_event
+from ..store.checksum import crc32
+from ..store.completion import AUDIT_DIR  # beside checkpoints/; --force archives it with them
+from ..store.files import write_file_atomic
+
+__all__ = ["BatchAudit", "fingerprint", "audit_mode", "ENV_AUDIT", "AUDIT_MODES", "AUDIT_DIR"]
+
+logger = logging.getLogger(__name__)
+
+STRICT, WARN, OFF = AUDIT_MODES
+#: How many recorded batches a rank's file keeps (the newest; older checkpoints are pruned).
+KEPT = 16
+#: Batches handed out and kept referenced for a checkpoint that follows them (a loader that
+#: fetches one ahead).
+RECENT = 2
+
+Key = tuple[int, int, int]  # (epoch, batch, step): the position a batch is trained at
+
+
+def audit_mode(environ: Any = None) -> str:
+    """The audit's mode from ``PROCCKPT_AUDIT`` (warn when unset).
+
+    Raises:
+        UsageError: a value that is none of strict, warn, off.
+    """
+    value = (os.environ if environ is None else environ).get(ENV_AUDIT, "").strip().lower()
+    if not value:
+        return WARN
+    if value not in AUDIT_MODES:
+        raise UsageError(f"bad {ENV_AUDIT}={value!r}: expected strict (stop a resume whose "
+                         "first batch differs), warn (say so and go on) or off")
+    return value
+
+
+def fingerprint(batch: Any) -> tuple[int, str]:
+    """A CRC-32 of ``batch`` (its tensors' bytes, dtypes and shapes, its plain values, in
+    order), and what it held in words ("2 tensors: 8x3 float32, 8 int64")."""
+    shapes: list[str] = []
+    crc = _crc(batch, 0, shapes)
+    shown = ", ".join(shapes[:3]) + (", ..." if len(shapes) > 3 else "")
+    return crc, (f"{len(shapes)} tensor{'s' if len(shapes) != 1 else ''}: {shown}" if shapes
+                 else "no tensors")
+
+
+def _crc(value: Any, crc: int, shapes: list[str]) -> int:
+    if isinstance(value, torch.Tensor):
+        local = getattr(value, "to_local", None)  # a DTensor: this rank's shard
+        t = (local() if callable(local) else value).detach().cpu().contiguous()
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        shapes.append(f"{shape} {str(t.dtype).removeprefix('torch.')}")
+        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        return crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
+    if isinstance(value, collections.abc.Mapping):  # a dict, a BatchEncoding
+        for key in value:
+            crc = _crc(value[key], zlib.crc32(repr(key).encode(), crc), shapes)
+        return crc
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            crc = _crc(item, crc, shapes)
+        return zlib.crc32(str(len(value)).encode(), crc)
+    np = __import__("sys").modules.get("numpy")
+    if np is not None and isinstance(value, np.ndarray):
+        shapes.append(f"{'x'.join(map(str, value.shape))} {value.dtype}")
+        return zlib.crc32(value.tobytes(), zlib.crc32(str(value.dtype).encode(), crc))
+    if value is None or isinstance(value, (str, bytes, int, float, bool)):
+        return zlib.crc32(repr(value).encode(), crc)
+    # Another object: its type only (its repr may hold an address, new in every process).
+    return zlib.crc32(type(value).__qualname__.encode(), crc)
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What a resumed run compares its first batch with."""
+
+    checkpoint: str
+    key: Key
+    recorded: dict[str, Any] | None  # None: nothing was recorded for the position
+
+
+class BatchAudit:
+    """One rank's audit: records the batch after each checkpoint, checks the first after a
+    resume. ``root``: the checkpoint dir; ``refuse(message)``: ends the process under strict
+    (every rank of a group, once the group knows which ranks differ)."""
+
+    def __init__(self, root: Path, rank: int, mode: str, journal: Path | None,
+                 refuse: Callable[[str], NoReturn],
+                 group_differs: Callable[[bool], list[int]] | None = None) -> None:
+        self.mode = mode
+        self.path = root / AUDIT_DIR / f"rank-{rank}.json"
+        self.rank = rank
+        self._journal = journal
+        self._refuse = refuse
+        #: In a group: the ranks whose first batch after a resume differs (a collective).
+        self._group_differs = group_differs
+        self._entries: list[dict[str, Any]] | None = None
+        #: The record's next content, written by a thread of its own off the training's path
+        #: (a small file's rename costs milliseconds on a busy file system).
+        self._queued: bytes | None = None
+        self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._pending: Key | None = None  # a checkpoint's position whose batch is not seen yet
+        self._recent: collections.deque[tuple[Key, Any]] = collections.deque(maxlen=RECENT)
+        self._live: _AuditedPass | None = None
+        self._expected: _Expected | None = None
+        #: How the first batch after the resume compared: same, differs, unrecorded (or None).
+        self.verdict: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.mode != OFF
+
+    def wrap(self, iterator: Iterator[Any], progress: Any, remapped: bool) -> Iterator[Any]:
+        """``iterator`` (a loader's pass opened at ``progress``'s position), audited."""
+        if not self.on:
+            return iterator
+        if remapped:  # another split of the data: nothing to compare, nothing comparable
+            self._settle(None)
+            return iterator
+        self._live = _AuditedPass(iterator, self, progress)
+        return self._live
+
+    # -- the run that takes checkpoints -------------------------------------------------------
+    def saved(self, key: Key) -> None:
+        """A checkpoint is being taken at ``key``: the next batch is its to record."""
+        if not self.on:
+            return
+        self._pending = key
+        for seen, item in self._recent:
+            if seen == key:  # handed out ahead, before the checkpoint: not trained on yet
+                self._record(key, item)
+                return
+        entries = self._load()
+        if any(_key_of(e) == key for e in entries):  # left by an earlier run: not this one's
+            self._entries = [e for e in entries if _key_of(e) != key]
+            self._write()
+
+    def before_exit(self) -> None:
+        """The process ends after a stop's checkpoint: fetch the batch that follows it (never
+        trained on) and record it. Nothing, if the pass is over (an epoch's end)."""
+        live, pending = self._live, self._pending
+        if self.on and live is not None and pending is not None:
+            try:
+                key, item = live.fetch()
+            except StopIteration:  # the pass is over
+                pass
+            except Exception as e:  # the checkpoint is durable: the audit must not fail the stop
+                logger.debug("audit: could not fetch the batch after the checkpoint: %s", e)
+            else:
+                if key == pending:
+                    self._record(key, item)
+        self.flush()  # the process ends next
+
+    def handed_out(self, key: Key, item: Any) -> None:
+        if self._expected is not None:
+            self._check(key, item)
+        if key == self._pending:
+            self._record(key, item)
+        else:
+            self._recent.append((key, item))
+
+    def _record(self, key: Key, item: Any) -> None:
+        self._pending = None
+        self._recent.clear()
+        crc, what = fingerprint(item)
+        entries = [e for e in self._load() if _key_of(e) != key]
+        entries.append({"epoch": key[0], "batch": key[1], "step": key[2], "crc": crc,
+                        "what": what})
+        self._entries = entries[-KEPT:]
+        self._write()
+
+    def _write(self) -> None:
+        data = json.dumps({"format": 1, "next": self._entries}).encode()
+        with self._lock:
+            self._queued = data
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._drain, daemon=True,
+                                                name="procckpt-audit")
+                self._writer.start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                data, self._queued = self._queued, None
+                if data is None:
+                    self._writer = None
+                    return
+            try:
+                self.path.parent.mkdir(exist_ok=True)
+                write_file_atomic(self.path, data, durable=False)
+            except OSError as e:  # the checkpoints are what matters: say it, go on
+                logger.warning("could not record the batch after a checkpoint in %s (%s): a "
+                               "resume from it cannot be audited", self.path, e.strerror or e)
+
+    def flush(self) -> None:
+        """Wait until the record is written (the process may end next)."""
+        with self._lock:
+            writer = self._writer
+        if writer is not None:
+            writer.join()
+
+    def _load(self) -> list[dict[str, Any]]:
+        if self._entries is None:
+            self._entries = []
+            with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
+                entries = json.loads(self.path.read_bytes()).get("next")
+                self._entries = [e for e in entries if _key_of(e) is not None]
+        return self._entries
+
+    # -- the resumed run ----------------------------------------------------------------------
+    def resumed(self, checkpoint: str, key: Key) -> None:
+        """The run resumed from ``checkpoint`` at ``key``: its first batch is to compare."""
+        if not self.on:
+            return
+        recorded = next((e for e in reversed(self._load()) if _key_of(e) == key), None)
+        self._expected = _Expected(checkpoint, key, recorded)
+
+    def _check(self, key: Key, item: Any) -> None:
+        expected, self._expected = self._expected, None
+        assert expected is not None
+        verdict, differs = "unrecorded", ""  # unrecorded also: the loop went on elsewhere
+        if key == expected.key and expected.recorded is not None:
+            crc, what = fingerprint(item)
+            verdict = "same"
+            if crc != expected.recorded["crc"]:
+                was = expected.recorded.get("what")
+                verdict = "differs"
+                differs = (f"batch {key[1]} of epoch {key[0]} (step {key[2]}), the first after "
+                           f"{expected.checkpoint}, is not the batch the interrupted run was "
+                           f"about to train on (CRC-32 {crc:08x}, {what}; it had "
+                           f"{expected.recorded['crc']:08x}{f', {was}' if was else ''})")
+        # In a group every rank gets here at its first batch: the group learns which differ.
+        ranks = self._group_differs(bool(differs)) if self._group_differs is not None \
+            else ([self.rank] if differs else [])
+        refused = self.mode == STRICT and bool(ranks)
+        if ranks and not differs:  # another rank's batch
+            verdict = "refused" if refused else f"differs on rank {', '.join(map(str, ranks))}"
+        elif differs:
+            verdict = "refused" if refused else "differs"
+        self._settle(verdict, expected, key)
+        if not differs:
+            if refused:
+                self._refuse(f"resume audit: the first batch after {expected.checkpoint} "
+                             f"differs on rank {', '.join(map(str, ranks))} of the group (its "
+                             "log says how); stopped before training on it (--audit strict)")
+            return
+        message = (f"resume audit: {differs}. The data order changed across the resume: "
+                   f"usually a sampler or generator seeded afresh instead of restored, a "
+                   f"set_epoch() missing, a loader's state not handed to procckpt, or data files "
+                   f"that changed")
+        if refused:
+            self._refuse(f"{message}; stopped before training on it (--audit strict)")
+        logger.warning("%s; training goes on (--audit strict would stop here)", message)
+
+    def _settle(self, verdict: str | None, expected: _Expected | None = None,
+                key: Key | None = None) -> None:
+        self._expected = None
+        self.verdict = verdict
+        if verdict is None or expected is None or key is None or self._journal is None:
+            return
+        append_event(self._journal, "audit", checkpoint=expected.checkpoint, epoch=key[0],
+                     batch=key[1], step=key[2], verdict=verdict)
+
+    def stop_expecting(self) -> None:
+        """The resumed run trains without a loader procckpt opens (``steps()``): no batch to
+        compare."""
+        self._expected = None
+
+
+class _AuditedPass:
+    """A loader's pass that tells the audit each batch it hands out, with its position."""
+
+    def __init__(self, inner: Iterator[Any], audit: BatchAudit, progress: Any) -> None:
+        self._inner = inner
+        self._audit = audit
+        self._progress = progress
+        self._epoch = progress.epoch
+        self._index = progress.batch  # the number, in its epoch, of the next batch
+
+    def __iter__(self) -> _AuditedPass:
+        return self
+
+    def __next__(self) -> Any:
+        key, item = self.fetch()
+        self._audit.handed_out(key, item)
+        return item
+
+    def fetch(self) -> tuple[Key, Any]:
+        """The next batch and its position (batches before it may still be in training)."""
+        item = next(self._inner)
+        p = self._progress
+        key = (self._epoch, self._index, p.step + self._index - p.batch)
+        self._index += 1
+        return key, item
+
+    def __len__(self) -> int:
+        return len(self._inner)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:  # what a framework asks of the loader's iterator
+        return getattr(self._inner, name)
+
+
+def _key_of(entry: Any) -> Key | None:
+    try:
+        return int(entry["epoch"]), int(entry["batch"]), int(entry["step"])
+    except (KeyError, TypeError, ValueError):
+        return None

@@ -1,0 +1,122 @@
+"""The first-batch audit end to end (training/audit.py): a run stopped mid-epoch records the batch
+it was about to train on; the resumed run compares its first batch with it. A resume whose data
+position was broken on purpose (another epoch's order, one batch skipped, the data changed) is
+told in one line, or stopped under ``--audit strict`` with exit code 66 and not restarted; a
+faithful resume says nothing and is journalled as the same. The frameworks' case runs in
+tests/e2e/test_streaming.py's programs (Lightning, the Trainer, Accelerate over a stream)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness.processes import events
+
+AUDITED = [PYTHON, str(PROGRAMS / "audit_train.py")]
+STREAMED = PROGRAMS / "stream_frameworks.py"
+
+
+def trained(stdout: str) -> list[list[int]]:
+    return [list(map(int, line.split()[3:])) for line in stdout.splitlines()
+            if line.startswith("step ")]
+
+
+def audit_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "resume audit:" in line]
+
+
+def stopped_at_step_4(workdir: Path, ckpt: Path, *args: str) -> list[list[int]]:
+    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *AUDITED, "--stop-at", "3",
+                 *args], cwd=workdir)
+    assert first.returncode == 75, first.stderr[-3000:]
+    assert (ckpt / "audit" / "rank-0.json").exists()
+    return trained(first.stdout)
+
+
+@pytest.mark.parametrize("loader", ["plain", "stateful"])
+def test_a_faithful_resume_is_audited_and_says_nothing(workdir: Path, loader: str):
+    if loader == "stateful" and importlib.util.find_spec("torchdata") is None:
+        pytest.skip("torchdata is not installed")
+    reference = run([*AUDITED, "--loader", loader], cwd=workdir,
+                    env={"PROCCKPT_DIR": str(workdir / "ref")})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ckpt = workdir / "ckpt"
+    before = stopped_at_step_4(workdir, ckpt, "--loader", loader)
+    resumed = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--audit", "strict", "--",
+                   *AUDITED, "--loader", loader], cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not audit_lines(resumed.stderr), resumed.stderr[-3000:]
+    assert before + trained(resumed.stdout) == trained(reference.stdout)
+    [verdict] = events(ckpt, "audit")
+    assert (verdict["checkpoint"], verdict["batch"], verdict["verdict"]) == \
+        ("ckpt-00000001", 4, "same")
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert "resume audits: 1 same" in status.stdout, status.stdout
+
+
+@pytest.mark.parametrize(("loader", "corrupt"), [("plain", "epoch"), ("plain", "data"),
+                                                 ("stateful", "skip")])
+def test_a_broken_data_position_is_told_in_one_line_and_strict_stops_it(
+        workdir: Path, loader: str, corrupt: str):
+    if loader == "stateful" and importlib.util.find_spec("torchdata") is None:
+        pytest.skip("torchdata is not installed")
+    warned, strict = workdir / "warned", workdir / "strict"
+    for ckpt in (warned, strict):
+        stopped_at_step_4(workdir, ckpt, "--loader", loader)
+    goes_on = run([*procckpt_argv(), "run", "--dir", str(warned), "--", *AUDITED, "--loader",
+                   loader, "--corrupt", corrupt], cwd=workdir, env={"PROCCKPT_AUDIT": ""})
+    assert goes_on.returncode == 0, goes_on.stderr[-3000:]
+    [line] = audit_lines(goes_on.stderr)
+    assert "batch 4 of epoch 0 (step 4), the first after ckpt-00000001, is not the batch the " \
+           "interrupted run was about to train on" in line, line
+    assert line.endswith("training goes on (--audit strict would stop here)"), line  # warn:
+    # the default (the suite's conftest sets strict)
+    assert [e["verdict"] for e in events(warned, "audit")] == ["differs"]
+
+    stopped = run([*procckpt_argv(), "run", "--dir", str(strict), "--audit", "strict", "--",
+                   *AUDITED, "--loader", loader, "--corrupt", corrupt], cwd=workdir)
+    assert stopped.returncode == 66, stopped.stderr[-3000:]
+    assert not trained(stopped.stdout), stopped.stdout  # not one step on the wrong batch
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert "stopped before training on it (--audit strict)" in stopped.stderr
+    assert "a restart would resume the same way, so it is not restarted" in stopped.stderr
+    assert len(events(strict, "cycle")) == 2  # the stopped run's, the resume's: no restart
+    assert [e["verdict"] for e in events(strict, "audit")] == ["refused"]
+    status = run([*procckpt_argv(), "status", str(strict)], cwd=workdir)
+    assert "resume audits: 1 refused (last that differed: ckpt-00000001, batch 4 of epoch 0" \
+        in status.stdout, status.stdout
+
+
+def test_a_bad_audit_mode_is_refused_before_the_command_starts(workdir: Path):
+    bad = run([*procckpt_argv(), "run", "--audit", "loud", "--", "true"], cwd=workdir)
+    assert bad.returncode == 2 and "bad audit 'loud': choose strict" in bad.stderr, bad.stderr
+    alone = run([*AUDITED], cwd=workdir, env={"PROCCKPT_AUDIT": "loud"})
+    assert alone.returncode == 2, alone.stderr[-3000:]
+    assert "bad PROCCKPT_AUDIT='loud'" in alone.stderr and "Traceback" not in alone.stderr
+
+
+@pytest.mark.parametrize("framework", ["accelerate", "lightning", "trainer"])
+def test_a_framework_resume_whose_batches_changed_is_stopped_by_strict(workdir: Path,
+                                                                        framework: str):
+    """The stream's loader (a ShuffleBuffer under a StatefulDataLoader, or the Trainer's own
+    DataLoader) hands a resumed process flipped labels: Lightning fetches a batch ahead, so
+    the stopped run's next batch was recorded before its checkpoint; the Trainer and
+    Accelerate record it after."""
+    module = {"trainer": "transformers"}.get(framework, framework)
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed")
+    ckpt = workdir / "ckpt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+               "--grace", "4s", "--audit", "strict", "--", PYTHON, str(STREAMED),
+               "--framework", framework, "--step-sleep", "0.15", "--corrupt-on-resume"],
+              cwd=workdir, timeout=600)
+    assert res.returncode == 66, res.stderr[-4000:]
+    assert len(audit_lines(res.stderr)) == 1, res.stderr[-4000:]
+    # A stop at an epoch's end records nothing (the next pass is not open): such a resume
+    # goes on, and the next one is caught.
+    verdicts = [e["verdict"] for e in events(ckpt, "audit")]
+    assert verdicts[-1] == "refused" and set(verdicts[:-1]) <= {"unrecorded"}, verdicts
+    assert len(events(ckpt, "cycle")) == len(verdicts) + 1
