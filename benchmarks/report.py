@@ -5,7 +5,7 @@ made; what the figures mean is in benchmarks/README.md, and earlier reports are 
 (``git log -p BENCHMARKS.md``). A benchmark that needs what this machine lacks (a GPU, DMTCP)
 is listed as not run, with the reason.
 
-    python benchmarks/report.py                       # every benchmark: about 40 minutes
+    python benchmarks/report.py                       # every benchmark: about 80 minutes
     python benchmarks/report.py --only liveness_cost  # some of them (the others' sections go)
     python benchmarks/report.py --quick --out /tmp/b.md   # tiny sizes: does each one run?
 
@@ -65,6 +65,10 @@ BENCHMARKS = (
     Benchmark("s3_store", "Checkpoints in S3 (moto's server on loopback) against the local disk",
               ("--size", "256MiB", "--repeats", "5"), ("--size", "8MiB", "--repeats", "1"),
               needs="moto"),
+    Benchmark("audit_cost", "The first-batch audit's cost, per batch, checkpoint and stop",
+              ("--repeats", "15"), ("--repeats", "1", "--batches", "4")),
+    Benchmark("kill_campaign", "A kill campaign that counts samples: 25 kills a case",
+              ("--kills", "25"), ("--kills", "1", "--cases", "plain")),
     Benchmark("dmtcp_images", "DMTCP's process images against a raw write", (),
               ("--mb", "8", "--reps", "1"), needs="dmtcp"),
     Benchmark("gpu_checkpoint", "GPU-resident state, beside DCP async_save, 1 GiB",

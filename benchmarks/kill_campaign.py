@@ -1,0 +1,275 @@
+"""A kill campaign that counts samples: trainings whose every sample carries its index are killed
+with SIGKILL at random moments of their life and resumed each time; at the end every sample of
+every epoch must have been trained exactly once and the final weights must equal an
+uninterrupted run's, bit for bit.
+
+Each case runs under ``procckpt run --interval 2s --restart-on-failure``. A kill is, at random,
+of the whole tree (the launcher's process group: a node lost, ``kill -9`` of the job; the
+launcher is started again, as a requeue would) or of the training alone (an OOM kill: the
+launcher restarts it). Its moment is drawn uniformly over the uninterrupted run's life, start-up
+included, and what the training was doing then is noted from what it left: starting or
+resuming (it had not said where it resumed), the first batch after a resume (no step done
+since), writing a checkpoint (a ``.tmp-`` write in ``checkpoints/``) or training.
+
+Counting: the programs print "resumed S" when they start and "step N trained I I ..." after
+each step; a resume from step S discards the steps after S that the killed run printed, so
+the steps left are the ones the final weights were trained on.
+
+Cases (each needs what it imports; one that cannot run says why):
+
+    plain      a DataLoader with a sampler that shuffles, 2 workers (tests/harness/programs/
+               audit_train.py)
+    stateful   torchdata's StatefulDataLoader, shuffle with a generator, 2 workers
+    stream-accelerate, stream-lightning
+               a Hugging Face stream through procckpt.ShuffleBuffer and a StatefulDataLoader
+               with 2 workers, trained with Accelerate or Lightning (stream_frameworks.py)
+
+Not yet here (tracked in issue 48): the Trainer, Accelerate with gradient accumulation, 2
+gloo ranks with a DistributedSampler, the S3 store, and kills timed to land inside an upload.
+
+    python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
+
+Prints one table: per case, the kills and the phase each hit, the resumes, samples trained
+twice and never, and whether the final weights are bit-identical. Exits 1 if any case is not
+exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib.util
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "harness" / "programs"
+PYTHON = sys.executable
+PROCCKPT = [PYTHON, "-m", "procckpt"]
+
+
+@dataclass(frozen=True)
+class Case:
+    argv: list[str]
+    needs: tuple[str, ...]
+    epochs: int
+    steps_per_epoch: int
+    samples: int  # ids 0 .. samples - 1, each once an epoch
+
+
+# 32 steps of 0.25 s each: training long enough beside a start-up of several seconds that
+# most kills land in it.
+AUDITED = [PYTHON, str(PROGRAMS / "audit_train.py"), "--workers", "2", "--step-sleep", "0.25",
+           "--epochs", "4"]
+STREAMED = [PYTHON, str(PROGRAMS / "stream_frameworks.py"), "--files", "2", "--rows", "64",
+            "--step-sleep", "0.25"]
+CASES = {
+    "plain": Case([*AUDITED, "--loader", "plain"], (), 4, 8, 64),
+    "stateful": Case([*AUDITED, "--loader", "stateful"], ("torchdata",), 4, 8, 64),
+    "stream-accelerate": Case([*STREAMED, "--framework", "accelerate"],
+                              ("torchdata", "datasets", "accelerate"), 2, 16, 128),
+    "stream-lightning": Case([*STREAMED, "--framework", "lightning"],
+                             ("torchdata", "datasets", "lightning"), 2, 16, 128),
+}
+PHASES = ("starting/resuming", "first batch", "writing a checkpoint", "training")
+
+
+@dataclass
+class Result:
+    kills: collections.Counter = field(default_factory=collections.Counter)
+    tree_kills: int = 0
+    resumes: int = 0
+    twice: int = 0
+    never: int = 0
+    identical: bool = False
+    lives: int = 0  # trainings from scratch to their end
+    note: str = ""
+
+
+def trained_steps(text: str) -> dict[int, list[int]]:
+    """The steps the final weights were trained on: each step's sample ids, the steps a killed
+    run trained after the checkpoint the next run resumed from dropped."""
+    text = text.replace("resumed ", "\nresumed ").replace("step ", "\nstep ")
+    steps: dict[int, list[int]] = {}
+    for line in text.splitlines():
+        if m := re.fullmatch(r"resumed (\d+)", line.strip()):
+            resumed = int(m.group(1))
+            steps = {n: ids for n, ids in steps.items() if n <= resumed}
+        elif m := re.fullmatch(r"step (\d+) trained((?: \d+)+)", line.strip()):
+            steps[int(m.group(1))] = [int(i) for i in m.group(2).split()]
+    return steps
+
+
+def count(case: Case, steps: dict[int, list[int]]) -> tuple[int, int]:
+    """Samples trained more than once in an epoch, and never, over all epochs."""
+    twice = never = 0
+    for epoch in range(case.epochs):
+        seen = collections.Counter()
+        for n in range(epoch * case.steps_per_epoch + 1, (epoch + 1) * case.steps_per_epoch + 1):
+            seen.update(steps.get(n, []))
+        twice += sum(c - 1 for c in seen.values() if c > 1)
+        never += sum(1 for i in range(case.samples) if seen[i] == 0)
+    return twice, never
+
+
+def phase(ckpt: Path, stdout: Path, stderr: Path) -> str:
+    if any(p.name.startswith(".tmp-") for p in (ckpt / "checkpoints").glob(".tmp-*")):
+        return "writing a checkpoint"
+    out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
+    if len(re.findall(r"cycle \d+: started", err)) > out.count("resumed "):
+        return "starting/resuming"
+    tail = out[out.rfind("resumed "):]
+    return "first batch" if "step " not in tail else "training"
+
+
+def training_pid(launcher: int) -> int | None:
+    import psutil
+
+    try:
+        children = psutil.Process(launcher).children()
+    except psutil.NoSuchProcess:
+        return None
+    return children[0].pid if children else None
+
+
+def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) -> Result:
+    """``kills`` kills of ``case``, over as many lives (a training from scratch to its end)
+    as it takes for them all to land; every life is counted and compared on its own."""
+    result = Result(identical=True)
+    missing = [m for m in case.needs if importlib.util.find_spec(m) is None]
+    if missing:
+        result.note = f"skipped: {', '.join(missing)} not installed"
+        return result
+    folder = work / name
+    folder.mkdir()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("PROCCKPT_TOKEN", None)
+    started = time.monotonic()
+    ref = subprocess.run([*case.argv, "--out", "reference.pt"], cwd=folder, capture_output=True,
+                         text=True, env={**env, "PROCCKPT_DIR": str(folder / "ref-ckpt")})
+    life = time.monotonic() - started
+    if ref.returncode != 0:
+        result.note = f"the uninterrupted run failed: {ref.stderr.strip().splitlines()[-1:]}"
+        result.identical = False
+        return result
+    left = kills
+    for round_ in range(1, kills + 1):
+        left = one_life(case, folder, folder / f"life-{round_}", left, life, rng, env, result)
+        if left == 0 or result.note:
+            break
+    return result
+
+
+def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  # noqa: C901 (one kill loop)
+             rng: random.Random, env: dict[str, str], result: Result) -> int:
+    """A training from scratch to its end, killed up to ``left`` times; the kills left."""
+    life_dir.mkdir()
+    ckpt, stdout, stderr = life_dir / "ckpt", life_dir / "stdout.txt", life_dir / "stderr.txt"
+    out_pt = life_dir / "out.pt"
+    argv = [*PROCCKPT, "run", "--dir", str(ckpt), "--interval", "2s", "--restart-on-failure",
+            "--max-restarts", "1000", "--", *case.argv, "--out", str(out_pt)]
+    for _launch in range(left + 20):
+        with open(stdout, "a") as out, open(stderr, "a") as err:
+            launcher = subprocess.Popen(argv, cwd=folder, stdout=out, stderr=err, env=env,
+                                        start_new_session=True)
+        while left > 0 and launcher.poll() is None:
+            deadline = time.monotonic() + rng.uniform(0.2, life)
+            while time.monotonic() < deadline and launcher.poll() is None:
+                time.sleep(0.05)
+            if launcher.poll() is not None:
+                break
+            result.kills[phase(ckpt, stdout, stderr)] += 1
+            left -= 1
+            if rng.random() < 0.5:
+                result.tree_kills += 1
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+            else:
+                pid = training_pid(launcher.pid)
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+        code = launcher.wait()
+        last = (stderr.read_text(errors="replace").strip().splitlines() or [""])[-1]
+        if code == 0 or "training finished but the command then exited" in last:
+            break  # (a kill that came after the training marked itself complete)
+        if code != -signal.SIGKILL:
+            result.note = f"procckpt run exited {code}: {last}"
+            result.identical = False
+            return left
+    text = stdout.read_text(errors="replace")
+    result.resumes += len(re.findall(r"resumed [1-9]", text))
+    twice, never = count(case, trained_steps(text))
+    result.twice += twice
+    result.never += never
+    if not out_pt.exists():  # killed after it finished: its weights, from the script alone
+        subprocess.run([*case.argv, "--out", str(out_pt)], cwd=folder, capture_output=True,
+                       env={**env, "PROCCKPT_DIR": str(ckpt)})
+    if out_pt.exists():
+        ours = torch.load(out_pt, weights_only=True)
+        theirs = torch.load(folder / "reference.pt", weights_only=True)
+        result.identical &= ours.keys() == theirs.keys() and all(
+            torch.equal(ours[k], theirs[k]) for k in ours)
+    else:
+        result.note, result.identical = "no final weights", False
+    result.lives += 1
+    return left
+
+
+def table(results: dict[str, Result]) -> str:
+    rows = [("case", "kills", *PHASES, "whole tree", "lives", "resumes", "twice", "never",
+             "bit-identical")]
+    for name, r in results.items():
+        if r.note.startswith("skipped"):
+            rows.append((name, r.note, *[""] * (len(rows[0]) - 2)))
+            continue
+        rows.append((name, str(sum(r.kills.values())), *[str(r.kills[p]) for p in PHASES],
+                     str(r.tree_kills), str(r.lives), str(r.resumes), str(r.twice),
+                     str(r.never),
+                     ("yes" if r.identical else "NO") + (f" ({r.note})" if r.note else "")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
+                     for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=25, help="kills per case")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="keep the cases' directories")
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        parser.error(f"unknown case {unknown[0]!r}; choose from {', '.join(CASES)}")
+    rng = random.Random(args.seed)
+    work = Path(tempfile.mkdtemp(prefix="kill-campaign-"))
+    results = {}
+    try:
+        for name in names:
+            results[name] = run_case(name, CASES[name], args.kills, rng, work)
+            print(f"{name}: done", file=sys.stderr, flush=True)
+    finally:
+        if args.keep:
+            print(f"kept in {work}", file=sys.stderr)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    print(table(results))
+    exact = all(r.identical and not r.twice and not r.never for r in results.values()
+                if not r.note.startswith("skipped"))
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

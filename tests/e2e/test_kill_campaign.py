@@ -1,0 +1,33 @@
+"""The kill campaign's short version (benchmarks/kill_campaign.py): every case killed with
+SIGKILL at 2 random moments (the whole tree or the training alone), resumed, and counted: no
+sample trained twice or never, final weights bit-identical to an uninterrupted run. The
+report's 25 kills per case are in BENCHMARKS.md. About 4 minutes here."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..conftest import REPO, run
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
+    done = run([sys.executable, str(REPO / "benchmarks" / "kill_campaign.py"), "--kills", "2",
+                "--seed", "1"], cwd=workdir, timeout=1500)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 4, done.stdout
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        kills = cells[1]
+        if kills.startswith("skipped"):
+            continue
+        assert kills == "2", row  # both landed
+        twice, never, identical = cells[-3:]
+        assert (twice, never, identical) == ("0", "0", "yes"), row
+    assert not re.search(r"\bNO\b", done.stdout), done.stdout
