@@ -14,6 +14,7 @@ import pytest
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 from ..harness.processes import events
+from .test_torchrun import TORCHRUN
 
 AUDITED = [PYTHON, str(PROGRAMS / "audit_train.py")]
 STREAMED = PROGRAMS / "stream_frameworks.py"
@@ -96,6 +97,36 @@ def test_a_bad_audit_mode_is_refused_before_the_command_starts(workdir: Path):
     alone = run([*AUDITED], cwd=workdir, env={"PROCCKPT_AUDIT": "loud"})
     assert alone.returncode == 2, alone.stderr[-3000:]
     assert "bad PROCCKPT_AUDIT='loud'" in alone.stderr and "Traceback" not in alone.stderr
+
+
+def test_in_a_group_the_rank_whose_batch_differs_is_named_and_strict_stops_every_rank(
+        workdir: Path):
+    """2 gloo ranks under torchrun with a DistributedSampler; on a resume rank 1's sampler is
+    told another epoch. Every rank compares its own first batch, and one all-reduce tells the
+    group which differ: rank 0's journal names rank 1, and under strict every rank stops (torchrun
+    exits 1; the launcher knows why from the rank's report, and restarts nothing)."""
+    group = [TORCHRUN, "--standalone", "--nproc-per-node=2", str(PROGRAMS / "audit_train.py"),
+             "--ddp"]
+    warned, strict = workdir / "warned", workdir / "strict"
+    for ckpt in (warned, strict):
+        # (4 batches a rank an epoch: a stop asked for at step 1 is taken after step 2)
+        first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *group, "--stop-at",
+                     "1"], cwd=workdir, timeout=300)
+        assert first.returncode == 75, first.stderr[-3000:]
+        assert {p.name for p in (ckpt / "audit").iterdir()} == {"rank-0.json", "rank-1.json"}
+    corrupt = ("--corrupt", "epoch", "--corrupt-rank", "1")
+    goes_on = run([*procckpt_argv(), "run", "--dir", str(warned), "--audit", "warn", "--",
+                   *group, *corrupt], cwd=workdir, timeout=300)
+    assert goes_on.returncode == 0, goes_on.stderr[-3000:]
+    assert len(audit_lines(goes_on.stderr)) == 1, goes_on.stderr[-3000:]  # rank 1's
+    assert [e["verdict"] for e in events(warned, "audit")] == ["differs on rank 1"]
+    stopped = run([*procckpt_argv(), "run", "--dir", str(strict), "--audit", "strict", "--",
+                   *group, *corrupt], cwd=workdir, timeout=300)
+    assert stopped.returncode == 66, stopped.stderr[-3000:]
+    assert not trained(stopped.stdout), stopped.stdout
+    assert "differs on rank 1 of the group" in stopped.stderr, stopped.stderr[-3000:]
+    assert [e["verdict"] for e in events(strict, "audit")] == ["refused"]
+    assert len(events(strict, "cycle")) == 2
 
 
 @pytest.mark.parametrize("framework", ["accelerate", "lightning", "trainer"])

@@ -6,7 +6,9 @@ after step N of a fresh start (not of a resumed run), so that a rerun resumes th
 ``--corrupt`` breaks the data position of a resumed run, as the bugs users meet do:
 ``epoch``: the sampler shuffles with another epoch's order; ``skip``: the loader's first
 batch after the resume is lost (a loader state off by one); ``data``: the samples' values
-changed (data files rewritten). Prints "resumed S" at the start (S: the step resumed from, 0
+changed (data files rewritten); ``--corrupt-rank R``: on rank R alone. ``--ddp`` (under
+torchrun): gloo, DDP, and a DistributedSampler (its epoch offset by the ``epoch``
+corruption). Prints "resumed S" at the start (S: the step resumed from, 0
 on a fresh start), "step S trained I I I ..." (the batch's sample indices) after each step,
 and "weights W" at the end; ``--out`` writes the final weights (benchmarks/kill_campaign.py
 counts the samples from these lines and compares the weights)."""
@@ -19,7 +21,7 @@ import time
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 import procckpt
 
@@ -56,9 +58,22 @@ class OwnOrder(Sampler):
         return iter(order)
 
 
+class OffsetDistributed(DistributedSampler):
+    """A DistributedSampler told another epoch than the one it is in (by ``offset``)."""
+
+    def __init__(self, dataset: Dataset, offset: int) -> None:
+        super().__init__(dataset, shuffle=True, seed=7)
+        self.offset = offset
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch + self.offset)
+
+
 def loader_for(kind: str, dataset: Dataset, sampler_offset: int, skip_first: bool,
                workers: int = 0):
-    if kind == "stateful":
+    if kind == "ddp":
+        Base, options = DataLoader, {"sampler": OffsetDistributed(dataset, sampler_offset)}
+    elif kind == "stateful":
         from torchdata.stateful_dataloader import StatefulDataLoader as Base
 
         options = {"shuffle": True, "generator": torch.Generator().manual_seed(3)}
@@ -87,19 +102,30 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--ddp", action="store_true")
+    parser.add_argument("--corrupt-rank", type=int, default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
+    rank = 0
+    if args.ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)
     print("resumed", ckpt.step, flush=True)
-    corrupt = args.corrupt if ckpt.resumed_from is not None else "none"
-    loader = loader_for(args.loader, Indexed(shift=1.0 if corrupt == "data" else 0.0),
+    mine = args.corrupt_rank is None or args.corrupt_rank == rank
+    corrupt = args.corrupt if ckpt.resumed_from is not None and mine else "none"
+    loader = loader_for("ddp" if args.ddp else args.loader,
+                        Indexed(shift=1.0 if corrupt == "data" else 0.0),
                         sampler_offset=1 if corrupt == "epoch" else 0,
                         skip_first=corrupt == "skip", workers=args.workers)
     for epoch in ckpt.epochs(args.epochs):
-        if args.loader == "plain":
+        if args.loader == "plain" or args.ddp:
             loader.sampler.set_epoch(epoch)
         for x, index in ckpt.batches(loader):
             loss = model(x).pow(2).mean()
@@ -110,9 +136,10 @@ def main() -> None:
             print("step", ckpt.step + 1, "trained", *index.tolist(), flush=True)
             if ckpt.step == args.stop_at and ckpt.resumed_from is None:
                 ckpt.request_checkpoint(stop=True)
-    print("weights", *model.weight.flatten().tolist(), flush=True)
-    if args.out:
-        torch.save(model.state_dict(), args.out)
+    net = model.module if args.ddp else model
+    print("weights", *net.weight.flatten().tolist(), flush=True)
+    if args.out and rank == 0:
+        torch.save(net.state_dict(), args.out)
 
 
 if __name__ == "__main__":
