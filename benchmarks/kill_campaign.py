@@ -23,9 +23,15 @@ Cases (each needs what it imports; one that cannot run says why):
     stream-accelerate, stream-lightning
                a Hugging Face stream through procckpt.ShuffleBuffer and a StatefulDataLoader
                with 2 workers, trained with Accelerate or Lightning (stream_frameworks.py)
+    stream-accelerate-accumulate
+               the same with Accelerate accumulating gradients over 4 micro-batches (a
+               checkpoint only at a window's end)
+    stream-trainer
+               the Hugging Face Trainer's own DataLoader with 2 workers over the ShuffleBuffer
+               (replayed on a resume)
 
-Not yet here (tracked in issue 48): the Trainer, Accelerate with gradient accumulation, 2
-gloo ranks with a DistributedSampler, the S3 store, and kills timed to land inside an upload.
+Not yet here (tracked in issue 48): 2 gloo ranks with a DistributedSampler, the S3 store, and
+kills timed to land inside an upload.
 
     python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
 
@@ -81,6 +87,11 @@ CASES = {
                               ("torchdata", "datasets", "accelerate"), 2, 16, 128),
     "stream-lightning": Case([*STREAMED, "--framework", "lightning"],
                              ("torchdata", "datasets", "lightning"), 2, 16, 128),
+    "stream-accelerate-accumulate": Case([*STREAMED, "--framework", "accelerate",
+                                          "--accumulate", "4"],
+                                         ("torchdata", "datasets", "accelerate"), 2, 16, 128),
+    "stream-trainer": Case([*STREAMED, "--framework", "trainer"],
+                           ("datasets", "transformers"), 2, 16, 128),
 }
 PHASES = ("starting/resuming", "first batch", "writing a checkpoint", "training")
 

@@ -5,9 +5,10 @@
 ``on_train_epoch_start``) or ``trainer`` (the Hugging Face Trainer's own DataLoader with 2
 workers over the ShuffleBuffer, ``max_steps`` for 2 epochs: replayed on a resume). Writes the
 final weights to ``--out``; prints "resumed S" as training starts (S: the step it resumed from)
-and "step N trained I I I ..." (the batch's sample ids) after each step (the Trainer: "step
-N"). ``--corrupt-on-resume``: a resumed process flips every label its loader hands out (a
-transform changed between two starts), for the audit to catch."""
+and "step N trained I I I ..." (the batch's sample ids) after each step (Accelerate with
+``--accumulate``: each micro-batch; the Trainer also prints "step N" after each).
+``--corrupt-on-resume``: a resumed process flips every label its loader hands out (a transform
+changed between two starts), for the audit to catch."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     from accelerate.utils import DataLoaderConfiguration
 
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(
-        use_stateful_dataloader=True))
+        use_stateful_dataloader=True), gradient_accumulation_steps=args.accumulate)
     net = model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     data, loader = data_and_loader(args)
@@ -116,10 +117,11 @@ def with_accelerate(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     for epoch in ckpt.epochs(args.epochs):
         data.set_epoch(epoch)
         for batch in ckpt.batches(loader):
-            loss = nn.functional.cross_entropy(net(batch["tokens"]), batch["label"])
-            accelerator.backward(loss)
-            optimizer.step()
-            optimizer.zero_grad()
+            with accelerator.accumulate(net):  # (a plain step without --accumulate)
+                loss = nn.functional.cross_entropy(net(batch["tokens"]), batch["label"])
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
             time.sleep(args.step_sleep)
             print("step", ckpt.step + 1, "trained", *batch["id"].tolist(), flush=True)
     return accelerator.unwrap_model(net).state_dict()
@@ -142,9 +144,19 @@ def with_trainer(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             self.net = model()
 
         def forward(self, tokens, labels, id=None):  # the Trainer's collator says "labels"
+            if self.training and id is not None:
+                print("step", at["step"] + 1, "trained", *id.tolist(), flush=True)
             return {"loss": nn.functional.cross_entropy(self.net(tokens), labels)}
 
+    at = {"step": 0}
+
     class Steps(TrainerCallback):
+        def on_train_begin(self, targs, state, control, **kwargs):
+            print("resumed", state.global_step, flush=True)
+
+        def on_step_begin(self, targs, state, control, **kwargs):
+            at["step"] = state.global_step
+
         def on_step_end(self, targs, state, control, **kwargs):
             time.sleep(args.step_sleep)
             print(f"step {state.global_step}", flush=True)
@@ -175,6 +187,8 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--corrupt-on-resume", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="Accelerate: micro-batches a gradient is accumulated over")
     args = parser.parse_args()
     train = {"lightning": with_lightning, "accelerate": with_accelerate,
              "trainer": with_trainer}[args.framework]
