@@ -29,9 +29,13 @@ Cases (each needs what it imports; one that cannot run says why):
     stream-trainer
                the Hugging Face Trainer's own DataLoader with 2 workers over the ShuffleBuffer
                (replayed on a resume)
+    gloo-2-ranks
+               2 ranks under torchrun (gloo, DDP) with a DistributedSampler, 2 workers each
+    s3         the plain case with its checkpoints in S3 (moto's server on loopback, started
+               here): written to a local dir, then uploaded; a kill may land in an upload
 
-Not yet here (tracked in issue 48): 2 gloo ranks with a DistributedSampler, the S3 store, and
-kills timed to land inside an upload.
+A kill inside an upload is not told apart from one in training: the table's phases are what
+the local files show.
 
     python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
 
@@ -43,6 +47,7 @@ exact.
 from __future__ import annotations
 
 import argparse
+import atexit
 import collections
 import importlib.util
 import os
@@ -50,6 +55,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -71,7 +77,9 @@ class Case:
     needs: tuple[str, ...]
     epochs: int
     steps_per_epoch: int
-    samples: int  # ids 0 .. samples - 1, each once an epoch
+    samples: int  # ids 0 .. samples - 1, each once an epoch (over all ranks)
+    ranks: int = 1  # processes that each print their steps
+    s3: bool = False  # checkpoints in S3 (moto's server on loopback), staged locally
 
 
 # 32 steps of 0.25 s each: training long enough beside a start-up of several seconds that
@@ -92,6 +100,9 @@ CASES = {
                                          ("torchdata", "datasets", "accelerate"), 2, 16, 128),
     "stream-trainer": Case([*STREAMED, "--framework", "trainer"],
                            ("datasets", "transformers"), 2, 16, 128),
+    "gloo-2-ranks": Case([str(Path(PYTHON).parent / "torchrun"), "--standalone",
+                          "--nproc-per-node=2", *AUDITED[1:], "--ddp"], (), 4, 4, 64, ranks=2),
+    "s3": Case([*AUDITED, "--loader", "plain"], ("moto", "boto3"), 4, 8, 64, s3=True),
 }
 PHASES = ("starting/resuming", "first batch", "writing a checkpoint", "training")
 
@@ -108,37 +119,40 @@ class Result:
     note: str = ""
 
 
-def trained_steps(text: str) -> dict[int, list[int]]:
-    """The steps the final weights were trained on: each step's sample ids, the steps a killed
-    run trained after the checkpoint the next run resumed from dropped."""
+def trained_steps(text: str) -> dict[tuple[int, int], list[int]]:
+    """The steps the final weights were trained on: each (step, rank)'s sample ids, the steps
+    a killed run trained after the checkpoint the next run resumed from dropped."""
     text = text.replace("resumed ", "\nresumed ").replace("step ", "\nstep ")
-    steps: dict[int, list[int]] = {}
+    steps: dict[tuple[int, int], list[int]] = {}
     for line in text.splitlines():
-        if m := re.fullmatch(r"resumed (\d+)", line.strip()):
-            resumed = int(m.group(1))
-            steps = {n: ids for n, ids in steps.items() if n <= resumed}
-        elif m := re.fullmatch(r"step (\d+) trained((?: \d+)+)", line.strip()):
-            steps[int(m.group(1))] = [int(i) for i in m.group(2).split()]
+        if m := re.fullmatch(r"resumed (\d+)(?: rank (\d+))?", line.strip()):
+            resumed, rank = int(m.group(1)), int(m.group(2) or 0)  # (each rank says its own)
+            steps = {key: ids for key, ids in steps.items() if key[0] <= resumed
+                     or key[1] != rank}
+        elif m := re.fullmatch(r"step (\d+)(?: rank (\d+))? trained((?: \d+)+)", line.strip()):
+            steps[int(m.group(1)), int(m.group(2) or 0)] = [int(i) for i in m.group(3).split()]
     return steps
 
 
-def count(case: Case, steps: dict[int, list[int]]) -> tuple[int, int]:
+def count(case: Case, steps: dict[tuple[int, int], list[int]]) -> tuple[int, int]:
     """Samples trained more than once in an epoch, and never, over all epochs."""
     twice = never = 0
     for epoch in range(case.epochs):
         seen = collections.Counter()
-        for n in range(epoch * case.steps_per_epoch + 1, (epoch + 1) * case.steps_per_epoch + 1):
-            seen.update(steps.get(n, []))
+        first, last = epoch * case.steps_per_epoch + 1, (epoch + 1) * case.steps_per_epoch
+        for (n, _rank), ids in steps.items():
+            if first <= n <= last:
+                seen.update(ids)
         twice += sum(c - 1 for c in seen.values() if c > 1)
         never += sum(1 for i in range(case.samples) if seen[i] == 0)
     return twice, never
 
 
-def phase(ckpt: Path, stdout: Path, stderr: Path) -> str:
+def phase(ckpt: Path, stdout: Path, stderr: Path, ranks: int) -> str:
     if any(p.name.startswith(".tmp-") for p in (ckpt / "checkpoints").glob(".tmp-*")):
         return "writing a checkpoint"
     out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-    if len(re.findall(r"cycle \d+: started", err)) > out.count("resumed "):
+    if len(re.findall(r"cycle \d+: started", err)) * ranks > out.count("resumed "):
         return "starting/resuming"
     tail = out[out.rfind("resumed "):]
     return "first batch" if "step " not in tail else "training"
@@ -166,6 +180,8 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) 
     folder.mkdir()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PROCCKPT_TOKEN", None)
+    if case.s3:
+        env.update(s3_server(work))
     started = time.monotonic()
     ref = subprocess.run([*case.argv, "--out", "reference.pt"], cwd=folder, capture_output=True,
                          text=True, env={**env, "PROCCKPT_DIR": str(folder / "ref-ckpt")})
@@ -182,11 +198,15 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) 
     return result
 
 
-def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  # noqa: C901 (one kill loop)
+def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  # noqa: C901, PLR0915 (one kill loop)
              rng: random.Random, env: dict[str, str], result: Result) -> int:
     """A training from scratch to its end, killed up to ``left`` times; the kills left."""
     life_dir.mkdir()
     ckpt, stdout, stderr = life_dir / "ckpt", life_dir / "stdout.txt", life_dir / "stderr.txt"
+    local = ckpt  # where a checkpoint is written first
+    if case.s3:  # staged in a local dir, then uploaded; a resume reads the bucket
+        ckpt, local = f"s3://campaign/{folder.name}-{life_dir.name}", life_dir / "local"
+        env = {**env, "PROCCKPT_LOCAL_DIR": str(local)}
     out_pt = life_dir / "out.pt"
     argv = [*PROCCKPT, "run", "--dir", str(ckpt), "--interval", "2s", "--restart-on-failure",
             "--max-restarts", "1000", "--", *case.argv, "--out", str(out_pt)]
@@ -200,7 +220,7 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
                 time.sleep(0.05)
             if launcher.poll() is not None:
                 break
-            result.kills[phase(ckpt, stdout, stderr)] += 1
+            result.kills[phase(local, stdout, stderr, case.ranks)] += 1
             left -= 1
             if rng.random() < 0.5:
                 result.tree_kills += 1
@@ -219,7 +239,7 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
             result.identical = False
             return left
     text = stdout.read_text(errors="replace")
-    result.resumes += len(re.findall(r"resumed [1-9]", text))
+    result.resumes += len(re.findall(r"resumed [1-9]", text)) // case.ranks
     twice, never = count(case, trained_steps(text))
     result.twice += twice
     result.never += never
@@ -235,6 +255,36 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
         result.note, result.identical = "no final weights", False
     result.lives += 1
     return left
+
+
+def s3_server(work: Path) -> dict[str, str]:
+    """moto's S3 server on a loopback port for the rest of the campaign (it dies with it), a
+    bucket ``campaign`` made; what a process needs to reach it."""
+    import boto3
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with open(work / "moto.log", "wb") as log:
+        server = subprocess.Popen([PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                   str(port)], stdout=subprocess.DEVNULL, stderr=log)
+    atexit.register(server.kill)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "campaign",
+           "AWS_SECRET_ACCESS_KEY": "campaign", "AWS_DEFAULT_REGION": "us-east-1"}
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"moto's server did not start (see {work / 'moto.log'})") \
+                    from None
+            time.sleep(0.1)
+    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="campaign",
+                 aws_secret_access_key="campaign",
+                 region_name="us-east-1").create_bucket(Bucket="campaign")
+    return env
 
 
 def table(results: dict[str, Result]) -> str:

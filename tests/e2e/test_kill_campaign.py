@@ -21,7 +21,7 @@ def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
                 "--seed", "1"], cwd=workdir, timeout=1500)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
-    assert len(rows) == 6, done.stdout
+    assert len(rows) == 8, done.stdout
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         kills = cells[1]

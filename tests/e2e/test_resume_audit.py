@@ -21,8 +21,8 @@ STREAMED = PROGRAMS / "stream_frameworks.py"
 
 
 def trained(stdout: str) -> list[list[int]]:
-    return [list(map(int, line.split()[3:])) for line in stdout.splitlines()
-            if line.startswith("step ")]
+    return [list(map(int, line.split(" trained ")[1].split())) for line in stdout.splitlines()
+            if line.startswith("step ") and " trained " in line]
 
 
 def audit_lines(stderr: str) -> list[str]:

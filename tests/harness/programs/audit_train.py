@@ -9,7 +9,8 @@ batch after the resume is lost (a loader state off by one); ``data``: the sample
 changed (data files rewritten); ``--corrupt-rank R``: on rank R alone. ``--ddp`` (under
 torchrun): gloo, DDP, and a DistributedSampler (its epoch offset by the ``epoch``
 corruption). Prints "resumed S" at the start (S: the step resumed from, 0
-on a fresh start), "step S trained I I I ..." (the batch's sample indices) after each step,
+on a fresh start), "step S trained I I I ..." (the batch's sample indices; with --ddp "step S
+rank R trained ...", and "resumed S rank R") after each step,
 and "weights W" at the end; ``--out`` writes the final weights (benchmarks/kill_campaign.py
 counts the samples from these lines and compares the weights)."""
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 
 import torch
@@ -93,6 +95,12 @@ def loader_for(kind: str, dataset: Dataset, sampler_offset: int, skip_first: boo
     return Loader(dataset, batch_size=BATCH, num_workers=workers, **options)
 
 
+def say(line: str) -> None:
+    """One line in one write: the ranks of a group share the output."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--loader", choices=["plain", "stateful"], default="plain")
@@ -117,7 +125,8 @@ def main() -> None:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)
-    print("resumed", ckpt.step, flush=True)
+    who = f" rank {rank}" if args.ddp else ""
+    say(f"resumed {ckpt.step}{who}")
     mine = args.corrupt_rank is None or args.corrupt_rank == rank
     corrupt = args.corrupt if ckpt.resumed_from is not None and mine else "none"
     loader = loader_for("ddp" if args.ddp else args.loader,
@@ -133,7 +142,7 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             time.sleep(args.step_sleep)
-            print("step", ckpt.step + 1, "trained", *index.tolist(), flush=True)
+            say(f"step {ckpt.step + 1}{who} trained {' '.join(map(str, index.tolist()))}")
             if ckpt.step == args.stop_at and ckpt.resumed_from is None:
                 ckpt.request_checkpoint(stop=True)
     net = model.module if args.ddp else model
