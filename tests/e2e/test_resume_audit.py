@@ -91,6 +91,30 @@ def test_a_broken_data_position_is_told_in_one_line_and_strict_stops_it(
         in status.stdout, status.stdout
 
 
+def test_a_steps_loop_is_audited_by_what_each_step_starts_from(workdir: Path):
+    """ckpt.steps() hands out numbers; the script draws each step's samples and fetches the next
+    batch ahead into ckpt.extras (nanoGPT's shape). The audit compares what the first step after
+    a resume starts from: a faithful resume is the same, one whose script fetches the batch again
+    over the restored one is stopped."""
+    steps = ("--steps", "12")
+    reference = run([*AUDITED, *steps], cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "ref")})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    faithful, broken = workdir / "faithful", workdir / "broken"
+    befores = [stopped_at_step_4(workdir, ckpt, *steps) for ckpt in (faithful, broken)]
+    resumed = run([*procckpt_argv(), "run", "--dir", str(faithful), "--", *AUDITED, *steps],
+                  cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert befores[0] + trained(resumed.stdout) == trained(reference.stdout)
+    assert [e["verdict"] for e in events(faithful, "audit")] == ["same"]
+    stopped = run([*procckpt_argv(), "run", "--dir", str(broken), "--", *AUDITED, *steps,
+                   "--corrupt", "extras"], cwd=workdir)
+    assert stopped.returncode == 66, stopped.stderr[-3000:]
+    [line] = audit_lines(stopped.stderr)
+    assert "what step 5 starts from (the random streams and ckpt.extras), the first after " \
+           "ckpt-00000001, is not what the interrupted run was about to train on" in line, line
+    assert "a batch fetched ahead written into ckpt.extras again before the loop" in line
+
+
 def test_a_bad_audit_mode_is_refused_before_the_command_starts(workdir: Path):
     bad = run([*procckpt_argv(), "run", "--audit", "loud", "--", "true"], cwd=workdir)
     assert bad.returncode == 2 and "bad audit 'loud': choose strict" in bad.stderr, bad.stderr

@@ -145,6 +145,10 @@ class BatchAudit:
         self._pending: Key | None = None  # a checkpoint's position whose batch is not seen yet
         self._recent: collections.deque[tuple[Key, Any]] = collections.deque(maxlen=RECENT)
         self._live: _AuditedPass | None = None
+        #: In a ``steps()`` loop: what a step starts from (the random streams, ckpt.extras),
+        #: which stands for the batch the script fetches itself.
+        self._inputs: Callable[[], Any] | None = None
+        self._steps_alone = False
         self._expected: _Expected | None = None
         #: How the first batch after the resume compared: same, differs, unrecorded (or None).
         self.verdict: str | None = None
@@ -157,11 +161,30 @@ class BatchAudit:
         """``iterator`` (a loader's pass opened at ``progress``'s position), audited."""
         if not self.on:
             return iterator
+        self._inputs = None
         if remapped:  # another split of the data: nothing to compare, nothing comparable
             self._settle(None)
             return iterator
         self._live = _AuditedPass(iterator, self, progress)
         return self._live
+
+    def steps_open(self, inputs: Callable[[], Any], alone: bool) -> None:
+        """A ``steps()`` loop begins, its steps' data fetched by the script: what each step
+        starts from, ``inputs()`` (the random streams its data is drawn with, the batch it
+        fetched ahead into ckpt.extras), is recorded and compared instead. ``alone``: not
+        inside ``epochs()``, so no epoch's code runs between a checkpoint and the next step."""
+        if self.on:
+            self._live, self._inputs, self._steps_alone = None, inputs, alone
+
+    def step_starts(self, key: Key) -> None:
+        """A step of ``steps()`` starts at ``key``: the first after a resume is compared, the
+        first after a checkpoint at an epoch's end recorded."""
+        if self._inputs is None:
+            return
+        if self._expected is not None:
+            self._check(key, self._inputs())
+        if key == self._pending:
+            self._record(key, self._inputs())
 
     # -- the run that takes checkpoints -------------------------------------------------------
     def saved(self, key: Key) -> None:
@@ -169,6 +192,12 @@ class BatchAudit:
         if not self.on:
             return
         self._pending = key
+        if self._inputs is not None:
+            # steps(): the next step starts from what is there now, unless the code of the
+            # next epoch's start runs first (then it is recorded as that step starts).
+            if self._steps_alone or key[1] > 0:
+                self._record(key, self._inputs())
+            return
         for seen, item in self._recent:
             if seen == key:  # handed out ahead, before the checkpoint: not trained on yet
                 self._record(key, item)
@@ -268,10 +297,12 @@ class BatchAudit:
             if crc != expected.recorded["crc"]:
                 was = expected.recorded.get("what")
                 verdict = "differs"
-                differs = (f"batch {key[1]} of epoch {key[0]} (step {key[2]}), the first after "
-                           f"{expected.checkpoint}, is not the batch the interrupted run was "
-                           f"about to train on (CRC-32 {crc:08x}, {what}; it had "
-                           f"{expected.recorded['crc']:08x}{f', {was}' if was else ''})")
+                subject = (f"batch {key[1]} of epoch {key[0]} (step {key[2]})" if self._inputs
+                           is None else f"what step {key[2] + 1} starts from (the random "
+                           "streams and ckpt.extras)")
+                differs = (f"{subject}, the first after {expected.checkpoint}, is not what the "
+                           f"interrupted run was about to train on (CRC-32 {crc:08x}, {what}; "
+                           f"it had {expected.recorded['crc']:08x}{f', {was}' if was else ''})")
         # In a group every rank gets here at its first batch: the group learns which differ.
         ranks = self._group_differs(bool(differs)) if self._group_differs is not None \
             else ([self.rank] if differs else [])
@@ -290,7 +321,10 @@ class BatchAudit:
         message = (f"resume audit: {differs}. The data order changed across the resume: "
                    f"usually a sampler or generator seeded afresh instead of restored, a "
                    f"set_epoch() missing, a loader's state not handed to procckpt, or data files "
-                   f"that changed")
+                   f"that changed" if self._inputs is None else
+                   f"resume audit: {differs}. The script changed them after procckpt restored "
+                   f"them: usually a batch fetched ahead written into ckpt.extras again before "
+                   f"the loop (take it from there after a resume)")
         if refused:
             self._refuse(f"{message}; stopped before training on it (--audit strict)")
         logger.warning("%s; training goes on (--audit strict would stop here)", message)
@@ -303,11 +337,6 @@ class BatchAudit:
             return
         append_event(self._journal, "audit", checkpoint=expected.checkpoint, epoch=key[0],
                      batch=key[1], step=key[2], verdict=verdict)
-
-    def stop_expecting(self) -> None:
-        """The resumed run trains without a loader procckpt opens (``steps()``): no batch to
-        compare."""
-        self._expected = None
 
 
 class _AuditedPass:

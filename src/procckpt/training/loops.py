@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 from ..errors import ProcckptError, logged_exit
 from .accumulation import window_ended
+from .position.rng import capture_rng
 
 __all__ = ["epochs", "batches", "steps", "last_batch"]
 
@@ -98,14 +99,23 @@ def _handed_out_its_last(loader: Any) -> bool:
     return getattr(loader, "end_of_dataloader", False) is True
 
 
+def step_inputs(ck: Any) -> dict[str, Any]:
+    """What a step of ``steps()`` starts from, beside its number: the random streams it draws
+    its data with (Python's and torch's CPU one: NumPy's and CUDA's exist in one process and
+    not in another, as the script imports or starts them) and what the script keeps in
+    ``ckpt.extras`` (a batch fetched ahead)."""
+    streams = capture_rng()
+    return {"python": streams["python"], "torch": streams["torch"], "extras": ck.extras}
+
+
 def steps(ck: Any, total: int) -> Iterator[int]:
     progress = ck._progress
     if ck._finished:
         return
     ck._progress.check_streams(ck._journal)
     numbers = progress.open_range(total)
-    ck._audit.stop_expecting()  # steps() hands out numbers: no batch of procckpt's to compare
     alone = not progress.in_epochs
+    ck._audit.steps_open(lambda: step_inputs(ck), alone)  # audit.py: for the script's batch
     if alone and progress.step >= total:
         if ck.resumed_from is not None:
             logger.info("training already finished (step %d of %d); nothing to do",
@@ -113,6 +123,7 @@ def steps(ck: Any, total: int) -> Iterator[int]:
         ck._finish()
         return
     for number in numbers:
+        ck._audit.step_starts(progress.position)
         ck._in_batch = True
         try:
             yield number

@@ -6,7 +6,8 @@ after step N of a fresh start (not of a resumed run), so that a rerun resumes th
 ``--corrupt`` breaks the data position of a resumed run, as the bugs users meet do:
 ``epoch``: the sampler shuffles with another epoch's order; ``skip``: the loader's first
 batch after the resume is lost (a loader state off by one); ``data``: the samples' values
-changed (data files rewritten); ``--corrupt-rank R``: on rank R alone. ``--ddp`` (under
+changed (data files rewritten); ``extras`` (with ``--steps``): the batch fetched ahead into
+ckpt.extras is fetched again; ``--corrupt-rank R``: on rank R alone. ``--ddp`` (under
 torchrun): gloo, DDP, and a DistributedSampler (its epoch offset by the ``epoch``
 corruption). Prints "resumed S" at the start (S: the step resumed from, 0
 on a fresh start), "step S trained I I I ..." (the batch's sample indices; with --ddp "step S
@@ -95,6 +96,31 @@ def loader_for(kind: str, dataset: Dataset, sampler_offset: int, skip_first: boo
     return Loader(dataset, batch_size=BATCH, num_workers=workers, **options)
 
 
+def steps_loop(ckpt, model, optimizer, total: int, corrupt: str, stop_at: int | None) -> None:
+    """nanoGPT's shape: random samples drawn for each step, the next batch fetched ahead and
+    kept in ckpt.extras. ``extras`` corruption: a resumed run fetches it again before the loop
+    (from the fresh seed), over the one the checkpoint held."""
+    data = Indexed()
+
+    def get_batch() -> tuple[torch.Tensor, torch.Tensor]:
+        index = torch.randint(SAMPLES, (BATCH,))
+        return data.x[index], index
+
+    if corrupt == "extras":
+        ckpt.extras["batch"] = get_batch()
+    for _ in ckpt.steps(total):
+        x, index = ckpt.extras["batch"] if "batch" in ckpt.extras else get_batch()
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        say(f"step {ckpt.step + 1} trained {' '.join(map(str, index.tolist()))}")
+        ckpt.extras["batch"] = get_batch()
+        if ckpt.step == stop_at and ckpt.resumed_from is None:
+            ckpt.request_checkpoint(stop=True)
+    say("weights " + " ".join(map(str, model.weight.flatten().tolist())))
+
+
 def say(line: str) -> None:
     """One line in one write: the ranks of a group share the output."""
     sys.stdout.write(line + "\n")
@@ -105,7 +131,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--loader", choices=["plain", "stateful"], default="plain")
     parser.add_argument("--stop-at", type=int, default=None)
-    parser.add_argument("--corrupt", choices=["none", "epoch", "skip", "data"], default="none")
+    parser.add_argument("--corrupt", choices=["none", "epoch", "skip", "data", "extras"],
+                        default="none")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="an iteration-based loop of N steps (ckpt.steps()) instead")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--step-sleep", type=float, default=0.0)
@@ -133,6 +162,8 @@ def main() -> None:
                         Indexed(shift=1.0 if corrupt == "data" else 0.0),
                         sampler_offset=1 if corrupt == "epoch" else 0,
                         skip_first=corrupt == "skip", workers=args.workers)
+    if args.steps:
+        return steps_loop(ckpt, model, optimizer, args.steps, corrupt, args.stop_at)
     for epoch in ckpt.epochs(args.epochs):
         if args.loader == "plain" or args.ddp:
             loader.sampler.set_epoch(epoch)
