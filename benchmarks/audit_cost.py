@@ -8,7 +8,8 @@ Three costs, each as a ratio to a training step measured in the same run (an MLP
                     (batches already in memory, so that only the bookkeeping differs)
     per checkpoint  recording the batch after a checkpoint, on the training's path: its
                     CRC-32 and the record handed to the audit's writer thread (the target:
-                    <= 1 % of a step); a resume's comparison is the same CRC
+                    <= 1 % of a step)
+    per resume      the record read, and the first batch's CRC compared with it
     per stop        reading one more batch from the loader after a stop's checkpoint (here a
                     DataLoader without workers over an in-memory data set)
 
@@ -108,6 +109,17 @@ def main() -> None:
         audited_s = median_seconds(audited_pass, args.repeats) / args.batches
         record_s = median_seconds(record, args.repeats)
         audit.flush()
+        last = next(checkpoints) - 1
+
+        def compare() -> None:
+            resumed = BatchAudit(Path(root), 0, "warn", None, refuse)
+            resumed.resumed("ckpt", (0, last, last))
+            position = Position()
+            position.batch = position.step = last
+            next(iter(resumed.wrap(iter([batch]), position, remapped=False)))
+            assert resumed.verdict == "same", resumed.verdict
+
+        compare_s = median_seconds(compare, args.repeats)
         read_s = median_seconds(one_more_batch, args.repeats)
 
     mb = args.batch * args.features * 4 / 1e6
@@ -117,6 +129,8 @@ def main() -> None:
           f"= {(audited_s - plain_s) / step_s:+.3%} of a step")
     print(f"per checkpoint: {record_s * 1e3:.3f} ms to fingerprint and record = "
           f"{record_s / step_s:.3%} of a step (target <= 1 %)")
+    print(f"per resume:     {compare_s * 1e3:.3f} ms to read the record and compare = "
+          f"{compare_s / step_s:.3%} of a step")
     print(f"per stop:       {read_s * 1e3:.3f} ms to read one more batch = "
           f"{read_s / step_s:.3%} of a step")
 
