@@ -118,7 +118,8 @@ def test_a_resume_that_skips_a_batch_is_told_and_strict_refuses_it(tmp_path: Pat
     audit, _ = resume(tmp_path, skipped, at=3)
     assert audit.verdict == "differs"
     [line] = [r.getMessage() for r in caplog.records if "resume audit" in r.getMessage()]
-    assert "batch 3 of epoch 0 (step 3), the first after ckpt-00000001, is not the batch" in line
+    assert "batch 3 of epoch 0 (step 3), the first after ckpt-00000001, is not what the " \
+           "interrupted run was about to train on" in line
     assert "--audit strict would stop here" in line
     with pytest.raises(Refused, match="stopped before training on it"):
         resume(tmp_path, skipped, at=3, mode="strict")

@@ -71,7 +71,7 @@ def test_a_broken_data_position_is_told_in_one_line_and_strict_stops_it(
                    loader, "--corrupt", corrupt], cwd=workdir, env={"PROCCKPT_AUDIT": ""})
     assert goes_on.returncode == 0, goes_on.stderr[-3000:]
     [line] = audit_lines(goes_on.stderr)
-    assert "batch 4 of epoch 0 (step 4), the first after ckpt-00000001, is not the batch the " \
+    assert "batch 4 of epoch 0 (step 4), the first after ckpt-00000001, is not what the " \
            "interrupted run was about to train on" in line, line
     assert line.endswith("training goes on (--audit strict would stop here)"), line  # warn:
     # the default (the suite's conftest sets strict)
