@@ -41,6 +41,7 @@ from ...errors import UsageError
 from .probe import not_repeatable
 
 __all__ = ["check_loader", "open_at", "advance", "loader_generators", "SeededSamples",
+           "SeededFetches", "fetches_in_process",
            "wraps_a_loader", "usable_state", "stateful_source",
            "align_epoch", "streams_kept", "swapped"]
 
@@ -181,6 +182,38 @@ def _epoch_seed(loader: DataLoader) -> int:
     """The epoch's seed for samples loaded in this process, drawn as a DataLoader draws its
     workers' seed: from the epoch's streams, so the same again on a resume."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+
+
+def fetches_in_process(loader: Iterable[Any]) -> bool:
+    """Whether ``loader`` is a stream whose batches are made in this process (no worker
+    processes), drawing from its global random streams as they are fetched."""
+    return replay_reason(loader) is not None and not getattr(loader, "num_workers", 0) \
+        and not isinstance(loader, collections.abc.Sequence)
+
+
+class SeededFetches:
+    """A stream's batches fetched in this process by a caller that fetches ahead (a
+    framework): each draws its randomness from streams seeded by the epoch's ``seed`` and the
+    batch's number, which are put back afterwards. A batch is then the same whenever it is
+    fetched, before a checkpoint's streams were captured or after the resume restored them, as
+    :class:`SeededSamples` makes a map-style data set's samples. ``first``: the number of the
+    first batch it hands out."""
+
+    def __init__(self, inner: Iterator[Any], seed: int, first: int) -> None:
+        self._inner, self._seed, self._index = inner, seed, first
+
+    def __iter__(self) -> SeededFetches:
+        return self
+
+    def __next__(self) -> Any:
+        with streams_kept():
+            seed_streams(sample_seed(self._seed, self._index))
+            item = next(self._inner)
+        self._index += 1
+        return item
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 class SeededSamples(Dataset):

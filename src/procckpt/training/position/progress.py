@@ -26,6 +26,7 @@ import itertools
 import logging
 import random
 import time
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import FrameType
@@ -36,8 +37,10 @@ import torch
 from ...protocol.events import append_event
 from .loaders import (
     REPLAY_HINT,
+    SeededFetches,
     align_epoch,
     check_loader,
+    fetches_in_process,
     loader_generators,
     open_at,
     replayed_on_resume,
@@ -208,6 +211,8 @@ class Progress:
             ProcckptError: the loader has fewer batches than the checkpoint's position.
         """
         check_loader(loader)
+        # The epoch's streams as they stand before anything draws: the same on a resume.
+        epoch_seed = zlib.crc32(torch.get_rng_state().numpy().tobytes(), self.epoch)
         self.remapped = bool(self.samples_before)
         if self.in_epochs:
             align_epoch(loader, self.epoch)
@@ -296,6 +301,8 @@ class Progress:
                         seconds)
         self.batch = skip
         self._state_trail = None
+        if isolate_loads and fetches_in_process(loader):
+            iterator = SeededFetches(iterator, epoch_seed, skip)
         if stateful is not None:
             iterator = self._state_trail = _StateTrail(iterator, stateful, skip, self)
         return iterator
