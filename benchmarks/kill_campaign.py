@@ -182,10 +182,16 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) 
     env.pop("PROCCKPT_TOKEN", None)
     if case.s3:
         env.update(s3_server(work))
-    started = time.monotonic()
-    ref = subprocess.run([*case.argv, "--out", "reference.pt"], cwd=folder, capture_output=True,
-                         text=True, env={**env, "PROCCKPT_DIR": str(folder / "ref-ckpt")})
-    life = time.monotonic() - started
+    lives = []
+    for ref_dir in ("ref-ckpt", "ref-ckpt-warm"):  # the first start fills caches (data, imports)
+        started = time.monotonic()
+        ref = subprocess.run([*case.argv, "--out", "reference.pt"], cwd=folder, text=True,
+                             capture_output=True,
+                             env={**env, "PROCCKPT_DIR": str(folder / ref_dir)})
+        lives.append(time.monotonic() - started)
+        if ref.returncode != 0:
+            break
+    life = min(lives)
     if ref.returncode != 0:
         result.note = f"the uninterrupted run failed: {ref.stderr.strip().splitlines()[-1:]}"
         result.identical = False
