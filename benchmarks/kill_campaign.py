@@ -197,7 +197,7 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) 
         result.identical = False
         return result
     left = kills
-    for round_ in range(1, kills + 1):
+    for round_ in range(1, 2 * kills + 3):  # (a life may end before a kill lands)
         left = one_life(case, folder, folder / f"life-{round_}", left, life, rng, env, result)
         if left == 0 or result.note:
             break
