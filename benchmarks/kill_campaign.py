@@ -240,9 +240,9 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
         last = (stderr.read_text(errors="replace").strip().splitlines() or [""])[-1]
         if code == 0 or "training finished but the command then exited" in last:
             break  # (a kill that came after the training marked itself complete)
+        # Killed with its tree, or stopped by its guard against a crash loop (three of our
+        # kills in a row before a new checkpoint): started again, as a requeue would.
         if code != -signal.SIGKILL and "so it would fail again: not restarted" not in last:
-            # (the launcher's guard against a crash loop: three of our kills in a row before
-            # a new checkpoint; started again, as a requeue would)
             result.note = f"procckpt run exited {code}: {last}"
             result.identical = False
             return left
