@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 from ..harness.processes import events
 from .test_torchrun import TORCHRUN
 
@@ -113,6 +113,30 @@ def test_a_steps_loop_is_audited_by_what_each_step_starts_from(workdir: Path):
     assert "what step 5 starts from (the random streams and ckpt.extras), the first after " \
            "ckpt-00000001, is not what the interrupted run was about to train on" in line, line
     assert "a batch fetched ahead written into ckpt.extras again before the loop" in line
+
+
+def test_lightning_over_a_stream_made_in_process_with_a_random_transform_resumes_exactly(
+        workdir: Path):
+    """The stream's batches are made in the training process (no workers) and draw noise from
+    the global stream as Lightning fetches each one ahead of its step. The batch fetched before
+    a checkpoint must get the same noise in the resumed run, or the audit (strict) stops it:
+    it did, until such a fetch drew from seeds of the epoch and the batch's number."""
+    if importlib.util.find_spec("lightning") is None or \
+            importlib.util.find_spec("torchdata") is None:
+        pytest.skip("lightning and torchdata are not installed")
+    args = ["--framework", "lightning", "--workers", "0", "--noise"]
+    expected = workdir / "reference.pt"
+    ref = run([PYTHON, str(STREAMED), *args, "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
+               "4s", "--max-restarts", "40", "--audit", "strict", "--", PYTHON, str(STREAMED),
+               *args, "--step-sleep", "0.15", "--out", str(out)], cwd=workdir, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    verdicts = [e["verdict"] for e in events(ckpt, "audit")]
+    assert "same" in verdicts and set(verdicts) <= {"same", "unrecorded"}, verdicts
+    assert_bit_identical(expected, out)
 
 
 def test_a_bad_audit_mode_is_refused_before_the_command_starts(workdir: Path):

@@ -39,7 +39,7 @@ def data_and_loader(args: argparse.Namespace) -> tuple[procckpt.ShuffleBuffer, o
         example.make_data(folder, args.files, args.rows, parquet=False)
     data = procckpt.ShuffleBuffer(example.streamed(sorted(folder.glob("*.jsonl")), False),
                                   size=32, seed=0)
-    return data, StatefulDataLoader(data, batch_size=8, num_workers=2,
+    return data, StatefulDataLoader(data, batch_size=8, num_workers=args.workers,
                                     collate_fn=collate(args))
 
 
@@ -53,6 +53,12 @@ def collate(args: argparse.Namespace, base=None):
     from torch.utils.data import default_collate
 
     base = base or default_collate
+    if args.noise:  # a random transform, drawn where the batch is made
+        def noisy(samples):
+            batch = base(samples)
+            batch["noise"] = torch.rand(len(batch["id"]))
+            return batch
+        return noisy
     if not (args.corrupt_on_resume and resumed()):
         return base
 
@@ -85,6 +91,8 @@ def with_lightning(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
         def training_step(self, batch, batch_idx):
             loss = nn.functional.cross_entropy(self.net(batch["tokens"]), batch["label"])
+            if "noise" in batch:
+                loss = loss * (1 + 0.01 * batch["noise"].mean())
             time.sleep(args.step_sleep)
             print("step", self.trainer.global_step + 1, "trained", *batch["id"].tolist(),
                   flush=True)
@@ -187,6 +195,10 @@ def main() -> None:
     parser.add_argument("--step-sleep", type=float, default=0.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--corrupt-on-resume", action="store_true")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="the StatefulDataLoader's worker processes (Lightning, Accelerate)")
+    parser.add_argument("--noise", action="store_true",
+                        help="collate draws a random transform (`noise`), where it runs")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="Accelerate: micro-batches a gradient is accumulated over")
     args = parser.parse_args()
