@@ -47,15 +47,14 @@ exact.
 from __future__ import annotations
 
 import argparse
-import atexit
 import collections
+import contextlib
 import importlib.util
 import os
 import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -67,6 +66,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "tests" / "harness" / "programs"
+sys.path.insert(0, str(ROOT))
+from tests.harness.s3_server import bucket, moto_server, s3_env  # noqa: E402
+
 PYTHON = sys.executable
 PROCCKPT = [PYTHON, "-m", "procckpt"]
 
@@ -168,7 +170,8 @@ def training_pid(launcher: int) -> int | None:
     return children[0].pid if children else None
 
 
-def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) -> Result:
+def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
+             servers: contextlib.ExitStack) -> Result:
     """``kills`` kills of ``case``, over as many lives (a training from scratch to its end)
     as it takes for them all to land; every life is counted and compared on its own."""
     result = Result(identical=True)
@@ -181,7 +184,7 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path) 
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("PROCCKPT_TOKEN", None)
     if case.s3:
-        env.update(s3_server(work))
+        env.update(s3_server(servers))
     lives = []
     for ref_dir in ("ref-ckpt", "ref-ckpt-warm"):  # the first start fills caches (data, imports)
         started = time.monotonic()
@@ -265,33 +268,13 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
     return left
 
 
-def s3_server(work: Path) -> dict[str, str]:
-    """moto's S3 server on a loopback port for the rest of the campaign (it dies with it), a
-    bucket ``campaign`` made; what a process needs to reach it."""
-    import boto3
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with open(work / "moto.log", "wb") as log:
-        server = subprocess.Popen([PYTHON, "-m", "moto.server", "-H", "127.0.0.1", "-p",
-                                   str(port)], stdout=subprocess.DEVNULL, stderr=log)
-    atexit.register(server.kill)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "campaign",
-           "AWS_SECRET_ACCESS_KEY": "campaign", "AWS_DEFAULT_REGION": "us-east-1"}
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"moto's server did not start (see {work / 'moto.log'})") \
-                    from None
-            time.sleep(0.1)
-    boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], aws_access_key_id="campaign",
-                 aws_secret_access_key="campaign",
-                 region_name="us-east-1").create_bucket(Bucket="campaign")
+def s3_server(servers: contextlib.ExitStack) -> dict[str, str]:
+    """moto's S3 server on a loopback port for the rest of the campaign (tests/harness's, which
+    the S3 tests use), a bucket ``campaign`` made; what a process needs to reach it."""
+    endpoint = servers.enter_context(moto_server())
+    bucket(endpoint, "campaign")
+    env = s3_env(endpoint)
+    env.pop("AWS_MAX_ATTEMPTS")  # the tests' few tries; the campaign keeps procckpt's default
     return env
 
 
@@ -326,9 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="kill-campaign-"))
     results = {}
     try:
-        for name in names:
-            results[name] = run_case(name, CASES[name], args.kills, rng, work)
-            print(f"{name}: done", file=sys.stderr, flush=True)
+        with contextlib.ExitStack() as servers:  # an S3 server, once a case needs one
+            for name in names:
+                results[name] = run_case(name, CASES[name], args.kills, rng, work, servers)
+                print(f"{name}: done", file=sys.stderr, flush=True)
     finally:
         if args.keep:
             print(f"kept in {work}", file=sys.stderr)
