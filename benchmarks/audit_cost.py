@@ -40,6 +40,7 @@ class Position:
 
     def __init__(self) -> None:
         self.epoch, self.batch, self.step = 0, 0, 0
+        self.remapped = False
 
 
 def refuse(message: str):
@@ -91,7 +92,7 @@ def main() -> None:
 
         def audited_pass() -> None:
             position = Position()
-            for _ in audit.wrap(iter(in_memory), position, remapped=False):
+            for _ in audit.wrap(iter(in_memory), position):
                 position.batch += 1
                 position.step += 1
 
@@ -116,7 +117,7 @@ def main() -> None:
             resumed.resumed("ckpt", (0, last, last))
             position = Position()
             position.batch = position.step = last
-            next(iter(resumed.wrap(iter([batch]), position, remapped=False)))
+            next(iter(resumed.wrap(iter([batch]), position)))
             assert resumed.verdict == "same", resumed.verdict
 
         compare_s = median_seconds(compare, args.repeats)

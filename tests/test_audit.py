@@ -20,10 +20,13 @@ pytestmark = pytest.mark.unit
 
 
 class Position:
-    """What the audit reads of Progress: the epoch, the batches of it trained, the steps."""
+    """What the audit reads of Progress: the epoch, the batches of it trained, the steps, and
+    whether the pass deals the data out anew (another world size or batch size)."""
 
-    def __init__(self, epoch: int = 0, batch: int = 0, step: int = 0) -> None:
+    def __init__(self, epoch: int = 0, batch: int = 0, step: int = 0,
+                 remapped: bool = False) -> None:
         self.epoch, self.batch, self.step = epoch, batch, step
+        self.remapped = remapped
 
     @property
     def position(self) -> tuple[int, int, int]:
@@ -60,7 +63,7 @@ def train_and_stop(root: Path, data: list[Any], stop_after: int, ahead: int = 0)
     """A run that checkpoints after ``stop_after`` batches and exits; ``ahead``: batches its
     loader has fetched beyond the one in training (Lightning's fetcher: 1)."""
     audit, progress = audit_for(root), Position()
-    it = audit.wrap(iter(data), progress, remapped=False)
+    it = audit.wrap(iter(data), progress)
     fetched = [next(it) for _ in range(ahead)]
     for _ in range(stop_after):
         fetched.append(next(it))
@@ -73,7 +76,7 @@ def train_and_stop(root: Path, data: list[Any], stop_after: int, ahead: int = 0)
 def resume(root: Path, data: list[Any], at: int, mode: str = "warn") -> tuple[BatchAudit, Any]:
     audit, progress = audit_for(root, mode), Position(0, at, at)
     audit.resumed("ckpt-00000001", progress.position)
-    first = next(audit.wrap(iter(data[at:]), progress, remapped=False))
+    first = next(audit.wrap(iter(data[at:]), progress))
     return audit, first
 
 
@@ -136,7 +139,7 @@ def test_a_periodic_checkpoint_records_the_batch_the_loop_trains_next_and_reads_
             read.append(b)
             yield b
 
-    it = audit.wrap(loader(), progress, remapped=False)
+    it = audit.wrap(loader(), progress)
     for i, _ in enumerate(it):
         progress.batch_done()
         if i == 1:
@@ -157,13 +160,13 @@ def test_nothing_recorded_nothing_compared(tmp_path: Path):
     audit = audit_for(tmp_path)
     progress = Position(1, 0, 3)
     audit.resumed("ckpt-00000001", progress.position)
-    next(audit.wrap(iter(data), progress, remapped=False))
+    next(audit.wrap(iter(data), progress))
     assert audit.verdict == "unrecorded"
     # Another world size or batch size deals the data out anew: no verdict at all.
     train_and_stop(tmp_path, batches(8), stop_after=3)
     audit = audit_for(tmp_path, "strict")
     audit.resumed("ckpt-00000002", (0, 3, 3))
-    next(audit.wrap(iter(batches(8, offset=0.5)), Position(0, 3, 3), remapped=True))
+    next(audit.wrap(iter(batches(8, offset=0.5)), Position(0, 3, 3, remapped=True)))
     assert audit.verdict is None
 
 
@@ -188,9 +191,9 @@ def test_in_a_group_every_rank_learns_which_ranks_differ(tmp_path: Path):
 
     audit, progress = audit_for(tmp_path, "warn", group), Position(0, 3, 3)
     audit.resumed("ckpt-00000001", progress.position)
-    next(audit.wrap(iter(data[3:]), progress, remapped=False))
+    next(audit.wrap(iter(data[3:]), progress))
     assert told == [False] and audit.verdict == "differs on rank 1"
     audit, progress = audit_for(tmp_path, "strict", group), Position(0, 3, 3)
     audit.resumed("ckpt-00000001", progress.position)
     with pytest.raises(Refused, match="differs on rank 1 of the group"):
-        next(audit.wrap(iter(data[3:]), progress, remapped=False))
+        next(audit.wrap(iter(data[3:]), progress))

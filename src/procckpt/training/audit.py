@@ -157,12 +157,13 @@ class BatchAudit:
     def on(self) -> bool:
         return self.mode != OFF
 
-    def wrap(self, iterator: Iterator[Any], progress: Any, remapped: bool) -> Iterator[Any]:
-        """``iterator`` (a loader's pass opened at ``progress``'s position), audited."""
+    def wrap(self, iterator: Iterator[Any], progress: Any) -> Iterator[Any]:
+        """``iterator`` (a loader's pass opened at ``progress``'s position), audited; not where
+        ``progress.remapped`` says the pass deals the data out anew."""
         if not self.on:
             return iterator
         self._inputs = None
-        if remapped:  # another split of the data: nothing to compare, nothing comparable
+        if progress.remapped:  # another split of the data: nothing comparable
             self._settle(None)
             return iterator
         self._live = _AuditedPass(iterator, self, progress)

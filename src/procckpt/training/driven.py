@@ -67,7 +67,7 @@ class DrivenLoop:
         self.opening = True
         try:
             iterator = progress.open_loader(loader, ckpt._journal, isolate_loads=True)
-            return ckpt._audit.wrap(iterator, progress, progress.remapped)
+            return ckpt._audit.wrap(iterator, progress)
         except ProcckptError as e:
             ckpt._exiting = True
             raise logged_exit(e, logger) from None

@@ -67,7 +67,7 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
     except ProcckptError as e:
         ck._exiting = True
         raise logged_exit(e, logger) from None
-    iterator = ck._audit.wrap(iterator, progress, progress.remapped)
+    iterator = ck._audit.wrap(iterator, progress)
     ck._window = window = window_ended()
     last = last_batch(progress)
     for item in iterator:
