@@ -57,15 +57,17 @@ def events(ckpt: Path, kind: str) -> list[dict]:
 def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framework: str,
                                                           ranks: int):
     needs(framework)
-    # Under torchrun an epoch is 13 steps a rank (208 samples): a cycle trains 10-11 of them,
-    # and a stop on an epoch's last batch is taken at the epoch's end (batch 0), so epochs of
-    # 10 steps a rank put most stops there, and few resumes mid-epoch.
-    shape = ("--samples", "208") if ranks > 1 else ()
+    # An epoch is 13 steps (a rank): a stop on an epoch's last batch is taken at the epoch's
+    # end (batch 0), and a cycle trains about 10-22 steps, so epochs of 10 or 20 steps put
+    # every stop there in some runs (seen: two resumes, both at batch 0, in a 20-step epoch).
+    # One process: 104 samples, 4 epochs, 52 steps; torchrun: 208 samples, 3 epochs, 39
+    # steps a rank.
+    shape = ("--samples", "208") if ranks > 1 else ("--samples", "104", "--epochs", "4")
     expected = reference(workdir, framework, *shape, ranks=ranks)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 60 steps (39 a rank under torchrun, each rank waiting for the other): 30-39 s of
-    # training. A 20 s cycle, much of it spent importing the framework on a loaded machine,
-    # trains 6-14 s: two cycles never finish the run.
+    # 26-39 s of training (each rank waiting for the other under torchrun). A 20 s cycle, much
+    # of it spent importing the framework on a loaded machine, trains 6-14 s: two cycles never
+    # finish the run.
     sleep = str(0.5 * ranks)
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                "--grace", "4s", "--max-restarts", "40", "--",
