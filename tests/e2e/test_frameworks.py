@@ -65,11 +65,13 @@ def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framewo
     shape = ("--samples", "208") if ranks > 1 else ("--samples", "104", "--epochs", "4")
     expected = reference(workdir, framework, *shape, ranks=ranks)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 26-39 s of training (each rank waiting for the other under torchrun). A 20 s cycle, much
-    # of it spent importing the framework on a loaded machine, trains 6-14 s: two cycles never
+    # 26 s of training in one process, 39 under torchrun (each rank waiting for the other). A
+    # cycle spends much of its time importing the framework on a loaded machine (two ranks
+    # importing transformers took over 16 s, so that no cycle reached its first step): 20 s
+    # cycles train 6-14 s in one process, 30 s cycles 6-18 s under torchrun. Two cycles never
     # finish the run.
-    sleep = str(0.5 * ranks)
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
+    sleep, limit = ("1.0", "30s") if ranks > 1 else ("0.5", "20s")
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", limit,
                "--grace", "4s", "--max-restarts", "40", "--",
                *command(framework, *shape, "--step-sleep", sleep, "--out", str(out),
                         ranks=ranks)],
