@@ -57,19 +57,17 @@ def events(ckpt: Path, kind: str) -> list[dict]:
 def test_time_limit_cycles_resume_mid_epoch_bit_identical(workdir: Path, framework: str,
                                                           ranks: int):
     needs(framework)
-    # An epoch is 13 steps (a rank): a stop on an epoch's last batch is taken at the epoch's
-    # end (batch 0), and a cycle trains about 10-22 steps, so epochs of 10 or 20 steps put
-    # every stop there in some runs (seen: two resumes, both at batch 0, in a 20-step epoch).
-    # One process: 104 samples, 4 epochs, 52 steps; torchrun: 208 samples, 3 epochs, 39
-    # steps a rank.
-    shape = ("--samples", "208") if ranks > 1 else ("--samples", "104", "--epochs", "4")
+    # An epoch is 13 steps (a rank), and a stop on an epoch's last batch is taken at the
+    # epoch's end (batch 0): with epochs of 10 or 20 steps a cycle's length put every stop
+    # there in some runs (seen: two resumes, both at batch 0, in a 20-step epoch). One
+    # process: 104 samples, 5 epochs, 65 steps of 0.5 s (32.5 s); torchrun: 208 samples, 3
+    # epochs, 39 steps of 1 s a rank (each rank waiting for the other). A cycle spends much of
+    # its time importing the framework on a loaded machine (two ranks importing transformers
+    # took over 16 s, so that no cycle reached its first step): 20 s cycles train 6-14 s in
+    # one process, 30 s cycles 6-18 s under torchrun. Two cycles never finish the run.
+    shape = ("--samples", "208") if ranks > 1 else ("--samples", "104", "--epochs", "5")
     expected = reference(workdir, framework, *shape, ranks=ranks)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 26 s of training in one process, 39 under torchrun (each rank waiting for the other). A
-    # cycle spends much of its time importing the framework on a loaded machine (two ranks
-    # importing transformers took over 16 s, so that no cycle reached its first step): 20 s
-    # cycles train 6-14 s in one process, 30 s cycles 6-18 s under torchrun. Two cycles never
-    # finish the run.
     sleep, limit = ("1.0", "30s") if ranks > 1 else ("0.5", "20s")
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", limit,
                "--grace", "4s", "--max-restarts", "40", "--",

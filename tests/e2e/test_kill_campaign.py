@@ -1,7 +1,7 @@
 """The kill campaign's short version (benchmarks/kill_campaign.py): every case killed with
 SIGKILL at 2 random moments (the whole tree or the training alone), resumed, and counted: no
 sample trained twice or never, final weights bit-identical to an uninterrupted run. The
-report's 25 kills per case are in BENCHMARKS.md. About 7 minutes here."""
+report's 25 kills per case are in BENCHMARKS.md. About 8-9 minutes here."""
 
 from __future__ import annotations
 
