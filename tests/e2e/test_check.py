@@ -56,6 +56,11 @@ def test_a_recurrent_state_carried_in_a_local_differs_and_kept_in_extras_is_exac
                      "statefuls.model differs from step 7 on"), local.stdout
     assert "likely: a value carried from one step to the next in a local variable" in \
         local.stdout
+    # Which tensors differ, by their names in the model's state dict: where to look first.
+    named = [line.strip() for line in local.stdout.splitlines()
+             if line.strip().startswith("in statefuls.model, ")]
+    assert named and " of 7 entries differ at step 7: " in named[0], local.stdout
+    assert "1.weight_hh_l0" in named[0], local.stdout  # the weight the hidden state meets
     kept = check(workdir, *script, "--hidden", "extras")
     assert kept.returncode == 0, kept.stdout + kept.stderr[-3000:]
     assert kept.stdout.startswith("exact: ") and "extras.hidden" in kept.stdout, kept.stdout
@@ -83,6 +88,9 @@ def test_a_script_seeded_from_the_clock_is_not_deterministic(workdir: Path):
     assert done.stdout.startswith("not deterministic: two runs without a resume already "
                                   "differ in "), done.stdout
     assert "no seed from the clock" in done.stdout
+    # The model starts from other weights: every tensor of it differs, and is named.
+    assert "in statefuls.model, 7 of 7 entries differ at step 1: 0.weight, 1.weight_ih_l0" in \
+        done.stdout, done.stdout
 
 
 def test_a_two_rank_torchrun_script_is_checked_rank_by_rank(workdir: Path):

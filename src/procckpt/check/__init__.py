@@ -164,7 +164,8 @@ def _verdict(a: Run, b: Run, resumed: list[tuple[Run, int]], steps: int) -> Verd
                            "so a resume cannot be judged. Make the script repeatable: a fixed "
                            "seed (torch.manual_seed, random.seed, numpy), no seed from the "
                            "clock, torch.use_deterministic_algorithms(True), and data-loader "
-                           "worker seeds from the seed (generator=, worker_init_fn)"])
+                           "worker seeds from the seed (generator=, worker_init_fn)",
+                           *_entry_lines(a, b, step, rank, parts)])
     where = a.where()
     stops = " and ".join(f"{_place(where, stop_at, steps)} at step {stop_at}"
                          for _, stop_at in resumed)
@@ -177,6 +178,7 @@ def _verdict(a: Run, b: Run, resumed: list[tuple[Run, int]], steps: int) -> Verd
                            f"{'differ' if len(parts) > 1 else 'differs'} from step {step} on"
                            f"{_rank(rank, ranks)}",
                            [*_likely_causes(parts, step, stop_at, a.unsaved()),
+                            *_entry_lines(a, c, step, rank, parts),
                             *_per_rank(a, c, steps, ignore, ranks)])
     parts = sorted(p for p in set(a.traces()[0][steps]) - ignore if not p.startswith(UNSAVED))
     details = [f"compared after each step and in the checkpoint at step {steps}: "
@@ -265,6 +267,21 @@ def _saved_differences(x: Path, y: Path) -> list[str]:
         prefix = "" if path.name == "state.pt" else f"{path.stem}:"
         differ += [prefix + k for k in sorted(px.keys() | py.keys()) if px.get(k) != py.get(k)]
     return differ
+
+
+def _entry_lines(x: Run, y: Run, step: int, rank: int, parts: list[str]) -> list[str]:
+    """For each differing part that is a state dict, which of its entries differ (a model's
+    tensors, by name): where to look first."""
+    ex, ey = x.entries(rank, step), y.entries(rank, step)
+    lines = []
+    for part in parts:
+        a, b = ex.get(part) or {}, ey.get(part) or {}
+        keys = [key for key in {**a, **b} if a.get(key) != b.get(key)] if a and b else []
+        if keys:
+            total = len(a.keys() | b.keys())
+            lines.append(f"in {part}, {len(keys)} of {total} entries differ at step {step}: "
+                         f"{_names(keys)}")
+    return lines
 
 
 def _names(parts: list[str]) -> str:

@@ -87,6 +87,12 @@ class Run:
         return {rank: {int(e["step"]): e["parts"] for e in entries}
                 for rank, entries in self._entries().items()}
 
+    def entries(self, rank: int, step: int) -> dict[str, dict[str, int]]:
+        """part -> state-dict key -> CRC after ``step`` on ``rank`` (training/fingerprints.py);
+        empty where the trace has none."""
+        lines = [e for e in self._entries().get(rank, []) if int(e["step"]) == step]
+        return dict(lines[-1].get("entries") or {}) if lines else {}
+
     def _entries(self) -> dict[int, list[dict[str, Any]]]:
         """Each rank's trace lines, parsed once for each size of the trace files (they grow
         while the run runs; the comparison reads them many times after)."""

@@ -36,9 +36,14 @@ STOP_REASON = "check-stop"
 END_REASON = "check-end"
 
 
-def fingerprints(payload: dict[str, Any]) -> dict[str, int]:
+def fingerprints(payload: dict[str, Any],
+                 entries: dict[str, dict[str, int]] | None = None) -> dict[str, int]:
     """A CRC-32 per part of a checkpoint payload: ``statefuls.NAME``, ``extras.KEY``,
-    ``rng.STREAM``, ``epoch_rng.STREAM``, ``loader_state``, ``progress``."""
+    ``rng.STREAM``, ``epoch_rng.STREAM``, ``loader_state``, ``progress``.
+
+    A stateful's state dict is fingerprinted entry by entry (a model's ``wte.weight``, an
+    optimizer's ``state``), its part's CRC taken over theirs; ``entries`` gets them, so that a
+    difference can be named down to the tensor."""
     parts: dict[str, Any] = {}
     for group in ("statefuls", "extras", "rng", "epoch_rng"):  # epoch_rng: at the epoch's start
         for key, value in (payload.get(group) or {}).items():
@@ -51,7 +56,17 @@ def fingerprints(payload: dict[str, Any]) -> dict[str, int]:
     progress = dict(payload.get("progress") or {})
     progress.pop("loader", None)  # its shape, not its position
     parts["progress"] = progress
-    return {name: _crc(value) for name, value in sorted(parts.items())}
+    found: dict[str, int] = {}
+    for name, value in sorted(parts.items()):
+        if name.startswith(("statefuls.", "framework.")) and isinstance(value, dict) and value:
+            each = {key if isinstance(key, str) else repr(key): _crc(item)
+                    for key, item in value.items()}  # named in the state dict's order
+            found[name] = zlib.crc32(json.dumps(each, sort_keys=True).encode())
+            if entries is not None:
+                entries[name] = each
+        else:
+            found[name] = _crc(value)
+    return found
 
 
 #: The top-level keys of a payload that are procckpt's (payload.build_payload).
@@ -161,13 +176,15 @@ class CheckHook:
                 if not self._unsaved[name][0].changed_since_found():
                     del self._unsaved[name]
             self._unconfirmed = []
-        parts = fingerprints(ck._payload())
+        entries: dict[str, dict[str, int]] = {}
+        parts = fingerprints(ck._payload(), entries)
         if self.compared is not None:
             parts.update({f"framework.{name}": _crc(value)
                           for name, value in self.compared().items()})
         parts.update({f"{UNSAVED}{name}": _crc(obj.state_dict())
                       for name, (obj, _) in self._unsaved.items()})
         line = {"step": step, "epoch": ck.epoch, "batch": ck.batch, "parts": parts,
+                "entries": entries,
                 **({} if saves else {"saves": False}),
                 **({"unsaved": describe_unsaved(self._unsaved)} if self._unsaved else {})}
         with open(f"{self.trace}.{ck.rank}", "a") as f:  # every rank its own
