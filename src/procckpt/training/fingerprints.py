@@ -56,17 +56,18 @@ def fingerprints(payload: dict[str, Any],
     progress = dict(payload.get("progress") or {})
     progress.pop("loader", None)  # its shape, not its position
     parts["progress"] = progress
-    found: dict[str, int] = {}
-    for name, value in sorted(parts.items()):
-        if name.startswith(("statefuls.", "framework.")) and isinstance(value, dict) and value:
-            each = {key if isinstance(key, str) else repr(key): _crc(item)
-                    for key, item in value.items()}  # named in the state dict's order
-            found[name] = zlib.crc32(json.dumps(each, sort_keys=True).encode())
-            if entries is not None:
-                entries[name] = each
-        else:
-            found[name] = _crc(value)
-    return found
+    return {name: _part_crc(name, value, entries) for name, value in sorted(parts.items())}
+
+
+def _part_crc(name: str, value: Any, entries: dict[str, dict[str, int]] | None) -> int:
+    """One part's CRC; a stateful's state dict entry by entry, into ``entries``."""
+    if not (name.startswith(("statefuls.", "framework.")) and isinstance(value, dict) and value):
+        return _crc(value)
+    each = {key if isinstance(key, str) else repr(key): _crc(item)
+            for key, item in value.items()}  # named in the state dict's order
+    if entries is not None:
+        entries[name] = each
+    return zlib.crc32(json.dumps(each, sort_keys=True).encode())
 
 
 #: The top-level keys of a payload that are procckpt's (payload.build_payload).
@@ -179,7 +180,7 @@ class CheckHook:
         entries: dict[str, dict[str, int]] = {}
         parts = fingerprints(ck._payload(), entries)
         if self.compared is not None:
-            parts.update({f"framework.{name}": _crc(value)
+            parts.update({f"framework.{name}": _part_crc(f"framework.{name}", value, entries)
                           for name, value in self.compared().items()})
         parts.update({f"{UNSAVED}{name}": _crc(obj.state_dict())
                       for name, (obj, _) in self._unsaved.items()})
