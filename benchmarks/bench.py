@@ -85,7 +85,10 @@ def drop_cache(path: Path) -> None:
     """Evict ``path`` (a file or every file under a directory) from the page cache."""
     files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
     for f in files:
-        fd = os.open(f, os.O_RDONLY)
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except FileNotFoundError:  # a temporary file renamed meanwhile (the audit's writer)
+            continue
         try:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
