@@ -3,6 +3,7 @@ from one that is not deterministic at all; real scripts, real processes, real re
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -79,6 +80,20 @@ def test_a_batch_fetched_ahead_outside_extras_differs(workdir: Path):
     assert "a run warned: the script drew random numbers after procckpt.Checkpointer() " \
            "resumed" in done.stdout, done.stdout
     assert "no stop at an epoch's end: no epoch ended within the 12 steps" in done.stdout
+
+
+def test_a_stateful_dataloader_stopped_at_an_epochs_end_resumes_exactly(workdir: Path):
+    """torchdata's StatefulDataLoader shuffling with a generator, stopped at an epoch's end:
+    the next epoch must be dealt as in the uninterrupted run (the kill campaign found it
+    dealt another order: looking at a fresh loader's state drew from its generator)."""
+    if importlib.util.find_spec("torchdata") is None:
+        pytest.skip("torchdata is not installed")
+    done = check(workdir, PYTHON, str(PROGRAMS / "audit_train.py"), "--loader", "stateful",
+                 "--workers", "2", "--epochs", "4", steps=12)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: stopped in the middle of an epoch at step 6 and at "
+                                  "the end of an epoch at step 8, each resumed"), done.stdout
+    assert "loader_state" in done.stdout and "rng.loader_generators" in done.stdout, done.stdout
 
 
 def test_a_script_seeded_from_the_clock_is_not_deterministic(workdir: Path):

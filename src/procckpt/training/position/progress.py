@@ -219,6 +219,7 @@ class Progress:
         generators = loader_generators(loader)
         skip = self._pending_skip or 0
         self._pending_skip = None
+        boundary: list[torch.Tensor] | None = None
         if skip:
             assert self._epoch_rng is not None
             restore_generators(generators, self._epoch_rng.get("loader_generators", []))
@@ -228,7 +229,8 @@ class Progress:
             if self._boundary_generators is not None:
                 # Resumed at an epoch boundary: the loader's own generators continue from the
                 # saved state too, as they did in the uninterrupted run.
-                restore_generators(generators, self._boundary_generators)
+                boundary = self._boundary_generators
+                restore_generators(generators, boundary)
                 self._boundary_generators = None
             if self._epoch_rng is None:  # batches() used without epochs()
                 self._epoch_rng = capture_rng()
@@ -247,6 +249,11 @@ class Progress:
         finished = stateful is not None and _pass_finished(self._resume_loader_state)
         if finished:
             stateful.load_state_dict({})
+            if boundary is not None:
+                # The look at its state above (stateful_source: a fresh StatefulDataLoader's
+                # state_dict() opens an iterator) drew from its generator, which the
+                # uninterrupted run, at its epoch's end, did not: start from the saved state.
+                restore_generators(generators, boundary)
         iterator: Iterator[Any]
         if finished and skip:  # resumed after the pass's last batch: the epoch has no more
             iterator, how = iter(()), "the saved position was the end of the loader's pass"
