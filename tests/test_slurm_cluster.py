@@ -336,6 +336,12 @@ def test_usr1_before_limit_then_requeue_from_inside_reruns_job(
     assert 18 <= after_start <= 55, after_start
 
     info = cluster.wait_state(job, "PENDING", timeout=30, poll=0.2)
+    # slurmctld may show the requeued job PENDING a moment before it sets the hold's reason
+    # and time (CI saw Reason=None once): give it a few seconds.
+    settled = time.monotonic() + 15
+    while info.get("Reason") == "None" and time.monotonic() < settled:
+        time.sleep(0.2)
+        info = cluster.job_info(job)
     pending_record = {k: info[k] for k in ("JobState", "Reason", "Restarts", "EligibleTime")}
     assert (info["Restarts"], info["Reason"]) == ("1", "BeginTime")
     # The requeue hold is cred_expire (120 s) + 1 from the requeue.
