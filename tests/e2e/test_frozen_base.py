@@ -60,7 +60,9 @@ def test_a_frozen_base_is_written_once_across_time_limits_and_resumes_bit_identi
     first, *later = saved
     assert first["written"] == first["bytes"], first
     assert len(later) >= 4 and all(e["written"] <= 0.1 * e["bytes"] for e in later), later
-    assert {e["restart"] for e in later} >= {0, 1, 2}  # resumed processes too
+    # Written small by resumed processes too. (Under load the first process may reach no
+    # checkpoint after its first: CI once saw restarts 1-5 only.)
+    assert {e["restart"] for e in later} >= {1, 2}, later
     assert_bit_identical(expected, out)
 
     # Collection: the chunks on disk are exactly those the kept checkpoints list.
