@@ -16,9 +16,11 @@ from procckpt.launcher.hang import AUTO_MIN, HangWatch
 from procckpt.launcher.interval import FIRST_AUTO_MAX, choose_period, young_daly
 from procckpt.protocol.control import ControlChannel, Heartbeat
 from procckpt.protocol.events import EventTail, append_event
-from procckpt.store import CheckpointStore
+from procckpt.store import CheckpointInfo, CheckpointStore
+from procckpt.training.link.triggers import SaveTriggers
 
 from .conftest import mounted_tmpfs
+from .harness.processes import fill
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -187,6 +189,27 @@ def test_auto_hang_timeout_is_ten_minutes_or_fifty_steps():
     hangs.observe(Heartbeat(1, 0.0), True, 60.0)  # a minute per step
     assert hangs.timeout == 50 * 60.0
     assert HangWatch(None).timeout is None
+
+
+def test_an_answer_the_full_disk_refused_is_sent_once_there_is_room(tmp_path: Path):
+    """The launcher asks for no periodic checkpoint while the last one is unanswered: an
+    answer lost to a moment of full disk left a run training for hours without any."""
+    with mounted_tmpfs(tmp_path / "fs", "1m") as mount:
+        launcher, control = ControlChannel(mount, "tok"), ControlChannel(mount, "tok")
+        training = SaveTriggers(control, polls_control=True, answers=True, interval=None,
+                                save_every=None, save_best=False)
+        launcher.send(1, "checkpoint", "interval")
+        training.poll(0.0)
+        assert training.request is not None and training.request.seq == 1
+        fill(mount)
+        training.answer(CheckpointInfo(mount / "ckpt-000007", 7, {}), 5, stopping=False)
+        assert launcher.read_ack() is None  # refused: nothing to read yet
+        training.poll(1.0)
+        assert launcher.read_ack() is None  # still full
+        (mount / "filler").unlink()
+        training.poll(2.0)
+        ack = launcher.read_ack()
+        assert ack is not None and (ack.seq, ack.checkpoint, ack.step) == (1, "ckpt-000007", 5)
 
 
 # -- room for the checkpoints to keep (a real 4 MiB tmpfs) ------------------------------------

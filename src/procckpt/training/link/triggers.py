@@ -56,6 +56,10 @@ class SaveTriggers:
         self.best_pending = False
         self.last_save = time.monotonic()
         self._next_poll = 0.0
+        # An answer the control directory refused (a full disk for a moment), sent again at
+        # the next polls: the launcher asks for no periodic checkpoint while one is unanswered.
+        self._unsent: ctl.Ack | None = None
+        self._sending = threading.Lock()  # answers come from the writer thread too
 
     def report_metric(self, value: float) -> bool:
         """Note a validation metric; True if it is the best so far (then, with ``save_best``,
@@ -99,6 +103,8 @@ class SaveTriggers:
         if self.control is None or not self.polls_control or now < self._next_poll:
             return
         self._next_poll = now + POLL_SECONDS
+        if self._unsent is not None:
+            self._send(None)
         request = self.control.poll()
         if request is not None:
             if request.action == ctl.ACTION_STOP:
@@ -152,10 +158,27 @@ class SaveTriggers:
         if self.control is None or not self.answers:
             return
         seq = request.seq if request is not None and request.token else 0
-        try:
-            self.control.acknowledge(ctl.Ack(
-                token=self.control.token, seq=seq, checkpoint=info.name if info else None,
-                step=step, stopping=stopping, error=error, time=time.time()))
-        except OSError as e:  # a full disk: the launcher learns it from the exit instead
-            logger.warning("could not answer procckpt run in %s: %s", self.control.dir,
-                           e.strerror or e)
+        self._send(ctl.Ack(token=self.control.token, seq=seq,
+                           checkpoint=info.name if info else None, step=step,
+                           stopping=stopping, error=error, time=time.time()))
+
+    def _send(self, ack: ctl.Ack | None) -> None:
+        """Write ``ack`` (None: the one not written yet) for the launcher; one that cannot be
+        written is kept and tried again at each poll, until a newer one replaces it."""
+        assert self.control is not None
+        with self._sending:
+            if ack is None:
+                ack = self._unsent
+                if ack is None:
+                    return
+            try:
+                self.control.acknowledge(ack)
+            except OSError as e:  # a full disk: kept, and the launcher learns of the exit
+                if self._unsent is None:
+                    logger.warning("could not answer procckpt run in %s (%s); trying again "
+                                   "at each step", self.control.dir, e.strerror or e)
+                self._unsent = ack
+                return
+            if self._unsent is not None and ack is self._unsent:
+                logger.info("answered procckpt run in %s", self.control.dir)
+            self._unsent = None
