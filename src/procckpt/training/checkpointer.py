@@ -41,6 +41,7 @@ from .saving import Saves, background_savers, frozen_chunks
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest
+from .state.vml import settle_vector_math
 
 __all__ = ["Checkpointer", "DEFAULT_DIR", "default_dir"]
 
@@ -102,6 +103,7 @@ class Checkpointer:
         **stateful: Stateful,
     ) -> None:
         setup_logging(label="train" if os.environ.get(ctl.ENV_TOKEN) else None)
+        settle_vector_math()  # before the first step's threads race on MKL's dispatch
         self._statefuls = collect_statefuls(model=model, optimizer=optimizer,
                                             scheduler=scheduler, scaler=scaler, **stateful)
         if metric_mode not in ("max", "min"):
