@@ -33,6 +33,8 @@ __all__ = ["Action", "HANDLED_SIGNALS", "signal_actions", "SignalPipe"]
 
 HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT,
                    signal.SIGHUP, signal.SIGCONT)
+#: Signals that mean nothing but "checkpoint" to a launcher: ignored once its run is over.
+_CHECKPOINT_ONLY = (signal.SIGUSR1, signal.SIGUSR2)
 
 
 class Action(enum.Enum):
@@ -80,8 +82,14 @@ class SignalPipe:
         self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
 
     def restore(self) -> None:
+        """Put the handlers back, but for SIGUSR1 and SIGUSR2 where they were the default:
+        the run is over, and a checkpoint signal now (Slurm's warning, come as the training
+        finished) asks for nothing. Its default action would end this process by the signal,
+        which Slurm records as a failed job."""
         signal.set_wakeup_fd(self._old_wakeup)
         for signum, handler in self._old_handlers.items():
+            if signum in _CHECKPOINT_ONLY and handler == signal.SIG_DFL:
+                handler = signal.SIG_IGN
             signal.signal(signum, handler)
         self._old_handlers.clear()
         os.close(self._read)
