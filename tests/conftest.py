@@ -25,8 +25,8 @@ os.environ.setdefault("PROCCKPT_AUDIT", "strict")
 # The suite compares runs bit for bit, and torch's CPU sqrt (MKL's vector math, split between
 # OpenMP threads in chunks of 2,048) sometimes gives one thread's chunk at low precision on a
 # process's first call (torch 2.13.0+cpu, MKL 2024.2, on a loaded machine): two runs without
-# a resume then differ from their first optimizer step. One thread per process never does
-# (docs/check.md, "not deterministic").
+# a resume then differ from their first optimizer step. With one thread per process no two
+# threads make that first call together (pytorch/pytorch#188792; docs/check.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

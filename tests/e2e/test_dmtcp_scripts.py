@@ -31,7 +31,6 @@ def torch_reference(workdir: Path, *extra: str) -> Path:
     return out
 
 
-
 @pytest.fixture(autouse=True)
 def openblas_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """NumPy's OpenBLAS follows OMP_NUM_THREADS, which the suite sets to 1 (conftest.py): it
@@ -39,6 +38,8 @@ def openblas_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     procckpt's OPENBLAS_NUM_THREADS=1 prevents. GOTO_NUM_THREADS gives it two again; it
     yields to OPENBLAS_NUM_THREADS, as OMP_NUM_THREADS does."""
     monkeypatch.setenv("GOTO_NUM_THREADS", "2")
+
+
 @needs_dmtcp
 def test_a_script_that_runs_a_subprocess_every_25_steps_finishes_identical(workdir: Path):
     """Under DMTCP 4.2 its first fork used to hang for good (NumPy's OpenBLAS joins its
