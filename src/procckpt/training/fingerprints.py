@@ -97,7 +97,9 @@ def _crc(value: Any, crc: int = 0) -> int:
 
 class NoCheck:
     """Not under ``procckpt check``: nothing to record; after a resume, rank 0 says once which
-    stateful objects of the script no checkpoint holds (training/unsaved.py)."""
+    stateful objects of the script no checkpoint holds (training/unsaved.py). Tensors held in
+    a variable count once training changed them again by the next safe point: a loop's
+    variable bound to each new batch (which a DataLoader's worker wrote in place) does not."""
 
     #: A framework drives the loops and saves its own objects (training/driven.py).
     driven = False
@@ -107,15 +109,26 @@ class NoCheck:
 
     def __init__(self) -> None:
         self._looked = False
+        #: Held tensors found at the first safe point, confirmed (or not) at the next.
+        self._held: dict[str, tuple[Any, str]] = {}
 
     def at_safe_point(self, ck: Any, epoch_end: bool, saves: bool = True,
                       defer: bool = False) -> None:
         if self._looked:
+            if self._held:
+                held, self._held = self._held, {}
+                self._warn({name: found for name, found in held.items()
+                            if found[0].changed_since_found()})
             return
         self._looked = True
         if ck.resumed_from is None or ck.rank != 0 or self.driven:
             return
         found = unsaved_statefuls(ck._statefuls, sys._getframe(1), ck.extras)
+        self._held = {n: f for n, f in found.items() if isinstance(f[0], HeldTensors)}
+        self._warn({n: f for n, f in found.items() if n not in self._held})
+
+    @staticmethod
+    def _warn(found: dict[str, tuple[Any, str]]) -> None:
         if found:
             logger.warning("resumed, but %s %s in no checkpoint, so %s afresh: if %s during "
                            "training, %s", describe_unsaved(found),
