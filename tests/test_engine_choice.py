@@ -64,6 +64,18 @@ def test_a_script_importing_procckpt_gets_hooks(tmp_path, store, source):
     assert choice.reason == "train.py imports procckpt"
 
 
+def test_a_script_importing_procckpt_through_its_own_modules_gets_hooks(tmp_path, store):
+    write_script(tmp_path, "train.py", "import os\nfrom mingpt.trainer import Trainer\n")
+    write_script(tmp_path, "mingpt/__init__.py", "")
+    write_script(tmp_path, "mingpt/trainer.py", "from .utils import setup\n")
+    write_script(tmp_path, "mingpt/utils.py", "import torch\nimport procckpt\n")
+    choice = choose(store, ["python", "train.py"], tmp_path)
+    assert (choice.name, choice.reason) == (
+        "hooks", "train.py (through mingpt/utils.py) imports procckpt")
+    write_script(tmp_path, "mingpt/utils.py", "import torch\n")  # nowhere now
+    assert choose(store, ["python", "train.py"], tmp_path).name == "dmtcp"
+
+
 def test_a_plain_script_gets_dmtcp_when_it_is_installed(tmp_path, store):
     write_script(tmp_path, "train.py", "import torch  # no procckpt here\n# import procckpt\n")
     choice = choose(store, ["python", "train.py"], tmp_path)

@@ -94,6 +94,28 @@ def test_a_script_that_cannot_be_checkpointed_is_told_at_the_start(workdir: Path
     assert "stays the one to resume" not in result.stderr
 
 
+def test_a_script_that_reaches_procckpt_through_its_own_module_is_no_unsaveable_one(
+        workdir: Path):
+    """minGPT's shape: ``train.py`` imports ``mingpt.trainer``, which imports procckpt. The
+    launcher follows the script's own imports: the hooks engine, and no warning that a stop
+    loses everything."""
+    (workdir / "mingpt").mkdir()
+    (workdir / "mingpt" / "__init__.py").write_text("")
+    (workdir / "mingpt" / "trainer.py").write_text(
+        "import torch\nimport procckpt\n\n\ndef train():\n"
+        "    model = torch.nn.Linear(2, 1)\n"
+        "    ckpt = procckpt.Checkpointer(model=model)\n"
+        "    for epoch in ckpt.epochs(2):\n        print('epoch', epoch, flush=True)\n")
+    (workdir / "train.py").write_text("from mingpt.trainer import train\n\ntrain()\n")
+    env = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                   if not (Path(p) / "dmtcp_launch").exists())}
+    result = run([*procckpt_argv(), "run", "--", PYTHON, "train.py"], cwd=workdir, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "does not import procckpt" not in result.stderr, result.stderr[-3000:]
+    assert "engine: hooks (train.py (through mingpt/trainer.py) imports procckpt)" in \
+        result.stderr, result.stderr[-3000:]
+
+
 def test_break_out_of_the_epochs_loop_says_what_to_write(workdir: Path):
     result = run([*procckpt_argv(), "run", "--dir", "c", "--", *LOADER, "--epochs", "5",
                   "--break-at-step", "13"], cwd=workdir)

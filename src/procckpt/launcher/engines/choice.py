@@ -13,12 +13,15 @@ The rule of ``auto``, first match wins:
 The script is the first ``*.py`` argument, the module of ``-m``, or the code of ``-c``. A
 shell given its commands inline (``sh -c 'cd run && python train.py'``, also ``bash -lc``)
 is read the same way: every simple command of its string counts. A script that reaches
-procckpt only through another module it imports, or a shell script file, is not seen: name the
-engine (``--engine hooks``) in that case.
+procckpt through a module of its own (``from mingpt.trainer import Trainer``, a file beside it
+or under the working directory) counts too: those modules are read, and theirs in turn. One
+that reaches it only through an installed package, or a shell script file, is not seen: name
+the engine (``--engine hooks``) in that case.
 """
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 import re
@@ -159,9 +162,80 @@ def imports_procckpt(command: list[str], cwd: Path, read: list[str] | None = Non
     for source_name, text in _sources(command, cwd):
         if _IMPORT_RE.search(text):
             return source_name
+        through = _through_own_modules(text, _source_dir(source_name, cwd), cwd)
+        if through is not None:
+            return f"{source_name} (through {through})"
         if read is not None:
             read.append(source_name)
     return None
+
+
+#: How many of a script's own modules are read, at most, looking for an import of procckpt.
+_OWN_MODULES = 64
+
+
+def _source_dir(source_name: str, cwd: Path) -> Path:
+    path = Path(source_name)
+    return (path if path.is_absolute() else cwd / path).parent
+
+
+def _through_own_modules(text: str, script_dir: Path, cwd: Path) -> str | None:
+    """The first of the script's own modules (files beside it or under the working directory,
+    not installed packages) that imports procckpt, following their imports in turn, as a path
+    relative to where it was found; None when none does."""
+    roots = list(dict.fromkeys([script_dir.resolve(), cwd.resolve()]))
+    queue: list[tuple[str, Path]] = [(text, roots[0])]
+    seen: set[Path] = set()
+    while queue and len(seen) < _OWN_MODULES:
+        source, package = queue.pop(0)
+        for path in _imported_files(source, package, roots):
+            if path in seen:
+                continue
+            seen.add(path)
+            module = _read(path)
+            if module is None:
+                continue
+            if _IMPORT_RE.search(module):
+                root = next((r for r in roots if path.is_relative_to(r)), path.parent)
+                return str(path.relative_to(root))
+            queue.append((module, path.parent))
+    return None
+
+
+def _imported_files(source: str, package: Path, roots: list[Path]) -> list[Path]:
+    """The files of the modules ``source`` imports that exist under ``roots`` (relative
+    imports: under ``package``, the importing module's folder)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    names: list[tuple[Path, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.extend((root, alias.name) for alias in node.names for root in roots)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package
+                for _ in range(node.level - 1):
+                    base = base.parent
+                bases = [base]
+            else:
+                bases = roots
+            module = node.module or ""
+            for base in bases:
+                names.append((base, module))
+                names.extend((base, f"{module}.{a.name}" if module else a.name)
+                             for a in node.names)
+    found = []
+    for base, dotted in names:
+        if not dotted:
+            continue
+        target = base.joinpath(*dotted.split("."))
+        for candidate in (target.with_suffix(".py"), target / "__init__.py"):
+            if candidate.is_file():
+                found.append(candidate.resolve())
+                break
+    return found
 
 
 def _shell_code(command: list[str]) -> str | None:
