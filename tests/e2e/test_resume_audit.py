@@ -8,12 +8,14 @@ tests/e2e/test_streaming.py's programs (Lightning, the Trainer, Accelerate over 
 from __future__ import annotations
 
 import importlib.util
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
-from ..harness.processes import events
+from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..harness.processes import events, stopped_once
 from .test_torchrun import TORCHRUN
 
 AUDITED = [PYTHON, str(PROGRAMS / "audit_train.py")]
@@ -199,3 +201,117 @@ def test_a_framework_resume_whose_batches_changed_is_stopped_by_strict(workdir: 
     verdicts = [e["verdict"] for e in events(ckpt, "audit")]
     assert verdicts[-1] == "refused" and set(verdicts[:-1]) <= {"unrecorded"}, verdicts
     assert len(events(ckpt, "cycle")) == len(verdicts) + 1
+
+
+@pytest.mark.parametrize("shape", ["dataclass", "sparse", "nested", "setkeys"])
+def test_batches_of_any_shape_resume_exactly_and_are_audited_by_what_they_hold(
+        workdir: Path, shape: str):
+    """A collate that returns a dataclass, inputs as sparse or nested tensors, samples that
+    are dicts built from a set of keys (in each process's own hash order; with 2 workers):
+    each resumes exactly under strict, audited the same, with no traceback and no warning
+    about the loop's variable; a dataclass batch in another epoch's order is stopped."""
+    args = ["--batch", shape, *(["--workers", "2"] if shape == "setkeys" else [])]
+    reference = run([*AUDITED, *args], cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "ref")})
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    ckpt = workdir / "ckpt"
+    before = stopped_at_step_4(workdir, ckpt, *args)
+    resumed = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--audit", "strict", "--",
+                   *AUDITED, *args], cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert before + trained(resumed.stdout) == trained(reference.stdout)
+    assert "Traceback" not in resumed.stderr and "in no checkpoint" not in resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert [e["verdict"] for e in events(ckpt, "audit")] == ["same"]
+    if shape != "dataclass":
+        return
+    wrong = workdir / "wrong"
+    stopped_at_step_4(workdir, wrong, *args)
+    stopped = run([*procckpt_argv(), "run", "--dir", str(wrong), "--audit", "strict", "--",
+                   *AUDITED, *args, "--corrupt", "epoch"], cwd=workdir)
+    assert stopped.returncode == 66, stopped.stderr[-3000:]
+    assert not trained(stopped.stdout), stopped.stdout
+    [line] = audit_lines(stopped.stderr)
+    assert "batch 4 of epoch 0 (step 4)" in line and "2 tensors: 8x4 float32, 8 int64" in line
+
+
+def test_a_model_initialised_again_after_the_restore_is_stopped_before_its_first_step(
+        workdir: Path):
+    """The script resets its weights after the Checkpointer restored them: the data is right,
+    the state is not. The line names the tensors and what to do; strict stops it."""
+    warned, strict = workdir / "warned", workdir / "strict"
+    for ckpt in (warned, strict):
+        stopped_at_step_4(workdir, ckpt)
+    goes_on = run([*procckpt_argv(), "run", "--dir", str(warned), "--audit", "warn", "--",
+                   *AUDITED, "--corrupt", "reinit"], cwd=workdir)
+    assert goes_on.returncode == 0, goes_on.stderr[-3000:]
+    [line] = audit_lines(goes_on.stderr)
+    assert "the state step 5 starts from is not the one it resumed from: 2 of 2 tensors " \
+           "differ from those ckpt-00000001 holds (model.weight, model.bias)" in line, line
+    assert "make the Checkpointer last" in line, line
+    [verdict] = events(warned, "audit")
+    assert (verdict["verdict"], verdict["state"]) == ("differs", "differs")
+    stopped = run([*procckpt_argv(), "run", "--dir", str(strict), "--audit", "strict", "--",
+                   *AUDITED, "--corrupt", "reinit"], cwd=workdir)
+    assert stopped.returncode == 66, stopped.stderr[-3000:]
+    assert not trained(stopped.stdout) and "Traceback" not in stopped.stderr
+    assert "stopped before training on it (--audit strict)" in stopped.stderr
+
+
+def test_a_steps_loop_with_its_own_iterator_is_unaudited_never_same(workdir: Path):
+    """minGPT's trainer ported with ckpt.steps(): it keeps ``data_iter = iter(loader)``, which
+    a resume opens afresh. The audit cannot see that data: it says so (unaudited, with the
+    reason in the log, the journal and procckpt status), and never "same"."""
+    ckpt = workdir / "ckpt"
+    args = ("--steps", "12", "--own-iterator")
+    stopped_at_step_4(workdir, ckpt, *args)
+    resumed = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--audit", "strict", "--",
+                   *AUDITED, *args], cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [line] = [x for x in resumed.stderr.splitlines() if "this resume is not audited" in x]
+    assert "draws its batches from data_iter (a _SingleProcessDataLoaderIter, in steps_loop())" \
+        in line, line
+    [verdict] = events(ckpt, "audit")
+    assert verdict["verdict"] == "unaudited" and "data_iter" in verdict["why"], verdict
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert "resume audits: 1 unaudited (last unaudited: the steps() loop draws its batches from " \
+        "data_iter" in status.stdout, status.stdout
+
+
+def test_a_start_time_in_extras_is_no_difference(workdir: Path):
+    """A steps() loop that writes ``ckpt.extras["started_at"] = time.time()`` at each start:
+    not data, so not compared; the resume passes strict, audited the same."""
+    ckpt = workdir / "ckpt"
+    args = ("--steps", "12", "--started-at")
+    stopped_at_step_4(workdir, ckpt, *args)
+    resumed = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--audit", "strict", "--",
+                   *AUDITED, *args], cwd=workdir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e["verdict"] for e in events(ckpt, "audit")] == ["same"]
+
+
+@pytest.mark.parametrize(("framework", "argument"), [
+    ("lightning", "ckpt_path=cb.resume_from"),
+    ("transformers", "resume_from_checkpoint=cb.resume_from")])
+def test_a_framework_not_told_to_resume_is_caught_at_its_first_step(
+        workdir: Path, framework: str, argument: str):
+    """The example with the framework's resume argument left out, as a hurried port does:
+    procckpt resumes the data position, the framework trains a fresh model from step 0. The
+    first resumed step is caught in one line that names the argument; strict stops it."""
+    if importlib.util.find_spec(framework) is None:
+        pytest.skip(f"{framework} is not installed")
+    source = (EXAMPLES / f"{framework}_train.py").read_text()
+    forgotten = re.sub(rf",?\s*{re.escape(argument)}", "", source)
+    assert forgotten != source
+    (workdir / "train.py").write_text(forgotten)
+    shutil.copy(EXAMPLES / "framework_common.py", workdir)
+    ckpt, out = workdir / "ckpt", workdir / "stopped.out"
+    first = stopped_once(["--dir", str(ckpt), "--", PYTHON, "train.py", "--step-sleep", "0.05"],
+                         workdir, lambda: "step 6" in out.read_text() if out.exists() else False)
+    assert first.returncode == 75, first.stderr[-3000:]
+    resumed = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--audit", "strict", "--",
+                   PYTHON, "train.py"], cwd=workdir, timeout=600)
+    assert resumed.returncode == 66, resumed.stderr[-3000:]
+    [line] = audit_lines(resumed.stderr)
+    assert f"did not load the checkpoint: pass {argument}" in line, line
+    assert "global_step is 0, not" in line, line
+    assert [e["verdict"] for e in events(ckpt, "audit")] == ["refused"]

@@ -128,9 +128,10 @@ LABELS = {"training": "training", "startup": "startup", "restore": "restore",
 
 
 def audit_line(history: list[dict[str, Any]]) -> str | None:
-    """How the resumes' first batches compared with the batches the stopped runs were about to
-    train on (training/audit.py): 'resume audits: 3 same, 1 differs (last that differed:
-    ckpt-00000004, batch 7 of epoch 1)'; None before any resume was audited."""
+    """How the resumes' first batches (and the state their first steps started from) compared
+    with what the stopped runs were about to train on (training/audit.py): 'resume audits: 3
+    same, 1 differs (last that differed: ckpt-00000004, batch 7 of epoch 1)', and why the last
+    unaudited one could not be; None before any resume was audited."""
     audits = [e for e in history if e.get("event") == "audit"]
     if not audits:
         return None
@@ -138,15 +139,19 @@ def audit_line(history: list[dict[str, Any]]) -> str | None:
     for e in audits:
         verdict = str(e.get("verdict", "?")).split(" on rank")[0]  # a group's: differs
         counts[verdict] = counts.get(verdict, 0) + 1
-    order = ["same", "differs", "refused", "unrecorded"]
+    order = ["same", "differs", "refused", "unaudited", "unrecorded"]
     words = ", ".join(f"{counts[v]} {v}" for v in sorted(counts, key=lambda v: (
         order.index(v) if v in order else len(order), v)))
     bad = [e for e in audits if str(e.get("verdict")).startswith(("differs", "refused"))]
+    unseen = [e for e in audits if e.get("verdict") == "unaudited"]
     if not bad:
-        return f"resume audits: {words}"
+        return f"resume audits: {words}" + (f" (last unaudited: {unseen[-1].get('why')})"
+                                            if unseen and unseen[-1].get("why") else "")
     last = bad[-1]
-    return (f"resume audits: {words} (last that differed: {last.get('checkpoint', '?')}, batch "
-            f"{last.get('batch', '?')} of epoch {last.get('epoch', '?')}; see docs/resume.md)")
+    what = "the state its first step started from" if last.get("state") == "differs" else \
+        f"batch {last.get('batch', '?')} of epoch {last.get('epoch', '?')}"
+    return (f"resume audits: {words} (last that differed: {last.get('checkpoint', '?')}, "
+            f"{what}; see docs/resume.md)")
 
 
 def _goodput_lines(goodput: Goodput) -> list[str]:

@@ -133,10 +133,26 @@ class _TrainerState:
     ``state.pt`` (see payload.is_framework): Lightning itself loads it from ``ckpt_path``."""
 
     procckpt_framework = True
+    #: What the resume audit compares when the first step begins (state/first_step.py): the
+    #: model and the optimizers as the checkpoint holds them and as Lightning restored them,
+    #: and its step counter. ``fit()`` without ``ckpt_path`` restores none of them.
+    procckpt_audited_keys = ("state_dict", "optimizer_states", "global_step")
+    procckpt_audited_counters = ("global_step",)
+    procckpt_audit_advice = ("Lightning did not load the checkpoint: pass ckpt_path="
+                             "cb.resume_from to trainer.fit() (a ProcckptCallback cb)")
 
     def __init__(self, trainer: pl.Trainer, *, sharded: bool = False) -> None:
         self._trainer = trainer
         self._sharded = sharded
+
+    def procckpt_audited_state(self) -> dict[str, Any]:
+        """The parts of ``procckpt_audited_keys``, live (the sharded ones are not compared)."""
+        trainer = self._trainer
+        if self._sharded:
+            return {"global_step": trainer.global_step}
+        return {"state_dict": trainer.lightning_module.state_dict(),
+                "optimizer_states": [o.state_dict() for o in trainer.optimizers],
+                "global_step": trainer.global_step}
 
     def state_dict(self) -> dict[str, Any]:
         # What Trainer.save_checkpoint writes, without its write: procckpt's store does that.

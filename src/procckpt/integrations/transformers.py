@@ -27,6 +27,7 @@ step the user's schedule saves too is copied from the user's folder, which stays
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -46,12 +47,15 @@ from ..store import PendingCheckpoint
 from ..training.checkpointer import Checkpointer
 from ..training.driven import DrivenLoop, positioned
 from ..training.fingerprints import CheckHook
+from ..training.state.first_step import StateExpectation
 from ._common import checkpointer_resumed_from, newest_verified
 
 __all__ = ["ProcckptCallback"]
 
 logger = logging.getLogger(__name__)
 
+#: The Trainer's own state in its checkpoint (transformers' TRAINER_STATE_NAME).
+_STATE = "trainer_state.json"
 #: The Trainer's checkpoint folder for a step (transformers' PREFIX_CHECKPOINT_DIR).
 _FOLDER = "checkpoint-{}"
 #: Where the Trainer writes a checkpoint only procckpt wants, in the store's checkpoints/
@@ -113,6 +117,7 @@ class ProcckptCallback(TrainerCallback):
         ckpt._check.stop_through = self._ask_trainer_then_leave  # and procckpt check's stop
         ckpt._check.compared = self._trainers_states
         self.checkpointer, self._loop = ckpt, DrivenLoop(ckpt)
+        _audit_the_step_counter(ckpt, state)
         self._train_loader = train_dataloader
         base = getattr(train_dataloader, "base_dataloader", train_dataloader)
         if not isinstance(base, DataLoader):
@@ -208,6 +213,25 @@ class ProcckptCallback(TrainerCallback):
             folder.rmdir()
             with contextlib.suppress(OSError):  # the staging folder, empty now
                 folder.parent.rmdir()
+
+
+def _audit_the_step_counter(ckpt: Checkpointer, state: Any) -> None:
+    """Have the resume audit compare the Trainer's step counter when the first step begins
+    with the one of the checkpoint it resumed from (``trainer_state.json``): ``train()``
+    without ``resume_from_checkpoint`` starts again at 0 (state/first_step.py)."""
+    info = ckpt.resumed_from
+    if info is None:
+        return
+    try:
+        saved = json.loads(info.file(_STATE).read_text())["global_step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # not a checkpoint the Trainer wrote: nothing to compare
+    if isinstance(saved, int):
+        ckpt._audit.expect_state(StateExpectation(
+            {"global_step": saved}, lambda: {"global_step": state.global_step},
+            "the Trainer did not load the checkpoint: pass resume_from_checkpoint="
+            "cb.resume_from to trainer.train() (a ProcckptCallback cb)",
+            frozenset({"global_step"})))
 
 
 def _hand_skipping_to_procckpt() -> None:

@@ -1,10 +1,10 @@
-"""The first-batch audit: a resumed run checks, in the user's real job, that the first batch it
-trains on is the one the interrupted run was about to train on.
+"""The resume audit: a resumed run checks, in the user's real job, that the first batch it
+trains on is the one the interrupted run was about to train on, and that the state its first
+step starts from is the one it resumed from.
 
 A checkpoint taken at position P (epoch, batch, step) is followed by the batch at P. Its
-fingerprint (a CRC-32 over the batch's tensors with their dtypes and shapes, and over its
-plain values) is recorded beside the checkpoints, in ``audit/rank-R.json`` (each rank its
-own), keyed by P:
+fingerprint (a CRC-32 over what the batch holds, whatever holds it: state/contents.py) is
+recorded beside the checkpoints, in ``audit/rank-R.json`` (each rank its own), keyed by P:
 
 - a periodic checkpoint: when the loop hands that batch out anyway (a loader that fetches
   ahead, as Lightning's does, handed it out before the checkpoint: it is taken then), so no
@@ -12,16 +12,20 @@ own), keyed by P:
 - a stop: the batch is fetched after the checkpoint is durable, never trained on, just
   before the process exits.
 
-A run resumed at P fingerprints the first batch its loader hands out and compares. The same:
-nothing is said (the journal notes it for ``procckpt status``). Different: one line says
-which batch differs and what usually causes it; under ``PROCCKPT_AUDIT=strict`` (``procckpt
-run --audit strict``) the run stops with exit code 66 before it trains on it. Nothing
-recorded (a stop at an epoch's end, whose next batch belongs to a pass not opened yet; a
-resume on a node that never saw the checkpoint's run; a record lost with the process): the
-journal says ``unrecorded`` and the run goes on.
+A run resumed at P fingerprints the first batch its loader hands out and compares; at the
+same moment it compares the live model and optimizer (and a framework's step counter) with
+the state as restored (state/first_step.py). The same: nothing is said (the journal notes it
+for ``procckpt status``). Different: one line says which batch or which tensors differ and
+what usually causes it; under ``PROCCKPT_AUDIT=strict`` (``procckpt run --audit strict``) the
+run stops with exit code 66 before it trains on it. Nothing recorded (a stop at an epoch's
+end, whose next batch belongs to a pass not opened yet; a resume on a node that never saw the
+checkpoint's run; a record lost with the process): the journal says ``unrecorded`` and the
+run goes on. Something the audit cannot look into (an object with no attributes, a ``steps()``
+loop that draws from an iterator of its own): ``unaudited``, with one line saying why; never
+``same``.
 
-A resume with another number of ranks or another batch size deals the data out anew: the
-batches differ by design, and nothing is compared.
+A resume with another number of ranks or another batch size deals the batches out anew: they
+differ by design, and only the state is compared.
 """
 
 from __future__ import annotations
@@ -38,14 +42,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from ..errors import UsageError
 from ..protocol.control import AUDIT_MODES, ENV_AUDIT
 from ..protocol.events import append_event
-from ..store.checksum import crc32
 from ..store.completion import AUDIT_DIR  # beside checkpoints/; --force archives it with them
 from ..store.files import write_file_atomic
+from .state import contents
+from .state.first_step import StateExpectation
 
 __all__ = ["BatchAudit", "fingerprint", "audit_mode", "ENV_AUDIT", "AUDIT_MODES", "AUDIT_DIR"]
 
@@ -55,8 +58,11 @@ STRICT, WARN, OFF = AUDIT_MODES
 #: How many recorded batches a rank's file keeps (the newest; older checkpoints are pruned).
 KEPT = 16
 #: Batches handed out and kept referenced for a checkpoint that follows them (a loader that
-#: fetches one ahead).
-RECENT = 2
+#: fetches one ahead): the newest alone, which the loop holds anyway until the next one.
+RECENT = 1
+#: The record's format: 2 fingerprints what a batch holds, whatever its containers (1: older
+#: records, whose CRCs are not comparable: a resume from them is unrecorded).
+FORMAT = 2
 
 Key = tuple[int, int, int]  # (epoch, batch, step): the position a batch is trained at
 
@@ -77,39 +83,10 @@ def audit_mode(environ: Any = None) -> str:
 
 
 def fingerprint(batch: Any) -> tuple[int, str]:
-    """A CRC-32 of ``batch`` (its tensors' bytes, dtypes and shapes, its plain values, in
-    order), and what it held in words ("2 tensors: 8x3 float32, 8 int64")."""
-    shapes: list[str] = []
-    crc = _crc(batch, 0, shapes)
-    shown = ", ".join(shapes[:3]) + (", ..." if len(shapes) > 3 else "")
-    return crc, (f"{len(shapes)} tensor{'s' if len(shapes) != 1 else ''}: {shown}" if shapes
-                 else "no tensors")
-
-
-def _crc(value: Any, crc: int, shapes: list[str]) -> int:
-    if isinstance(value, torch.Tensor):
-        local = getattr(value, "to_local", None)  # a DTensor: this rank's shard
-        t = (local() if callable(local) else value).detach().cpu().contiguous()
-        shape = "x".join(map(str, t.shape)) or "scalar"
-        shapes.append(f"{shape} {str(t.dtype).removeprefix('torch.')}")
-        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
-        return crc32(t.reshape(-1).view(torch.uint8).numpy(), crc)
-    if isinstance(value, collections.abc.Mapping):  # a dict, a BatchEncoding
-        for key in value:
-            crc = _crc(value[key], zlib.crc32(repr(key).encode(), crc), shapes)
-        return crc
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            crc = _crc(item, crc, shapes)
-        return zlib.crc32(str(len(value)).encode(), crc)
-    np = __import__("sys").modules.get("numpy")
-    if np is not None and isinstance(value, np.ndarray):
-        shapes.append(f"{'x'.join(map(str, value.shape))} {value.dtype}")
-        return zlib.crc32(value.tobytes(), zlib.crc32(str(value.dtype).encode(), crc))
-    if value is None or isinstance(value, (str, bytes, int, float, bool)):
-        return zlib.crc32(repr(value).encode(), crc)
-    # Another object: its type only (its repr may hold an address, new in every process).
-    return zlib.crc32(type(value).__qualname__.encode(), crc)
+    """A CRC-32 of what ``batch`` holds (contents.py), and that in words ("2 tensors: 8x3
+    float32, 8 int64")."""
+    seen = contents.fingerprint(batch)
+    return seen.crc, seen.what
 
 
 @dataclass(frozen=True)
@@ -121,10 +98,22 @@ class _Expected:
     recorded: dict[str, Any] | None  # None: nothing was recorded for the position
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """A batch (or what a step starts from) as the audit saw it: its CRC and what it held,
+    its parts' CRCs where it has parts to name, and what the audit could not look into."""
+
+    crc: int
+    what: str
+    parts: dict[str, int] | None = None
+    unseen: str | None = None
+
+
 class BatchAudit:
     """One rank's audit: records the batch after each checkpoint, checks the first after a
-    resume. ``root``: the checkpoint dir; ``refuse(message)``: ends the process under strict
-    (every rank of a group, once the group knows which ranks differ)."""
+    resume (and the state that first step starts from). ``root``: the checkpoint dir;
+    ``refuse(message)``: ends the process under strict (every rank of a group, once the group
+    knows which ranks differ)."""
 
     def __init__(self, root: Path, rank: int, mode: str, journal: Path | None,
                  refuse: Callable[[str], NoReturn],
@@ -150,7 +139,11 @@ class BatchAudit:
         self._inputs: Callable[[], Any] | None = None
         self._steps_alone = False
         self._expected: _Expected | None = None
-        #: How the first batch after the resume compared: same, differs, unrecorded (or None).
+        #: The state the first step after a resume must start from (state/first_step.py).
+        self._state: StateExpectation | None = None
+        self._resumed_from: str | None = None
+        #: How the first batch after the resume compared: same, differs, unaudited,
+        #: unrecorded (or None).
         self.verdict: str | None = None
 
     @property
@@ -158,13 +151,15 @@ class BatchAudit:
         return self.mode != OFF
 
     def wrap(self, iterator: Iterator[Any], progress: Any) -> Iterator[Any]:
-        """``iterator`` (a loader's pass opened at ``progress``'s position), audited; not where
-        ``progress.remapped`` says the pass deals the data out anew."""
+        """``iterator`` (a loader's pass opened at ``progress``'s position), audited; where
+        ``progress.remapped`` says the pass deals the data out anew, only the state its first
+        step starts from is."""
         if not self.on:
             return iterator
         self._inputs = None
-        if progress.remapped:  # another split of the data: nothing comparable
+        if progress.remapped:  # another split of the data: no batch comparable
             self._settle(None)
+        if self._expected is None and self._state is None and progress.remapped:
             return iterator
         self._live = _AuditedPass(iterator, self, progress)
         return self._live
@@ -177,15 +172,23 @@ class BatchAudit:
         if self.on:
             self._live, self._inputs, self._steps_alone = None, inputs, alone
 
-    def step_starts(self, key: Key) -> None:
+    def step_starts(self, key: Key, iterators: Callable[[], list[str]] | None = None) -> None:
         """A step of ``steps()`` starts at ``key``: the first after a resume is compared, the
-        first after a checkpoint at an epoch's end recorded."""
+        first after a checkpoint at an epoch's end recorded. ``iterators()``: the iterators
+        the script's loop holds (it draws its batches from them, unseen by the audit)."""
         if self._inputs is None:
             return
-        if self._expected is not None:
-            self._check(key, self._inputs())
+        if self._expected is not None or self._state is not None:
+            held = iterators() if iterators is not None else []
+            self._check(key, self._inputs(), held)
         if key == self._pending:
             self._record(key, self._inputs())
+
+    def expect_state(self, expectation: StateExpectation | None) -> None:
+        """The state the first step after this resume must start from (compared when it
+        begins)."""
+        if self.on and self._resumed_from is not None:
+            self._state = expectation
 
     # -- the run that takes checkpoints -------------------------------------------------------
     def saved(self, key: Key) -> None:
@@ -225,25 +228,47 @@ class BatchAudit:
         self.flush()  # the process ends next
 
     def handed_out(self, key: Key, item: Any) -> None:
-        if self._expected is not None:
+        if self._expected is not None or self._state is not None:
             self._check(key, item)
         if key == self._pending:
             self._record(key, item)
         else:
             self._recent.append((key, item))
 
+    def _observe(self, item: Any) -> _Seen:
+        """What the audit sees of ``item``: a batch, or (in ``steps()``) the parts a step
+        starts from, of which ``ckpt.extras`` entries count only where they hold data (tensors
+        or arrays): a value a script sets anew at each start (a time, a run's id) is none of
+        the batch's business."""
+        if self._inputs is None:
+            seen = contents.fingerprint(item)
+            return _Seen(seen.crc, seen.what, unseen=seen.unseen)
+        prints = {"Python's random stream": contents.fingerprint(item["python"]),
+                  "torch's random stream": contents.fingerprint(item["torch"])}
+        for key, value in (item.get("extras") or {}).items():
+            seen = contents.fingerprint(value)
+            if seen.what != "no tensors" or seen.unseen:
+                prints[f"ckpt.extras[{key!r}]"] = seen
+        parts = {name: seen.crc for name, seen in prints.items()}
+        unseen = "; ".join(f"{name}: {seen.unseen}" for name, seen in prints.items()
+                           if seen.unseen) or None
+        crc = zlib.crc32(json.dumps(parts, sort_keys=True).encode())
+        return _Seen(crc, f"{len(parts)} parts", parts, unseen)
+
     def _record(self, key: Key, item: Any) -> None:
         self._pending = None
         self._recent.clear()
-        crc, what = fingerprint(item)
+        seen = self._observe(item)
         entries = [e for e in self._load() if _key_of(e) != key]
-        entries.append({"epoch": key[0], "batch": key[1], "step": key[2], "crc": crc,
-                        "what": what})
+        entries.append({"epoch": key[0], "batch": key[1], "step": key[2], "crc": seen.crc,
+                        "what": seen.what,
+                        **({"parts": seen.parts} if seen.parts is not None else {}),
+                        **({"unseen": seen.unseen} if seen.unseen else {})})
         self._entries = entries[-KEPT:]
         self._write()
 
     def _write(self) -> None:
-        data = json.dumps({"format": 1, "next": self._entries}).encode()
+        data = json.dumps({"format": FORMAT, "next": self._entries}).encode()
         with self._lock:
             self._queued = data
             if self._writer is None:
@@ -276,8 +301,10 @@ class BatchAudit:
         if self._entries is None:
             self._entries = []
             with contextlib.suppress(OSError, ValueError, TypeError, AttributeError):
-                entries = json.loads(self.path.read_bytes()).get("next")
-                self._entries = [e for e in entries if _key_of(e) is not None]
+                record = json.loads(self.path.read_bytes())
+                if record.get("format") == FORMAT:  # an older record's CRCs compare nothing
+                    entries = record.get("next")
+                    self._entries = [e for e in entries if _key_of(e) is not None]
         return self._entries
 
     # -- the resumed run ----------------------------------------------------------------------
@@ -287,57 +314,96 @@ class BatchAudit:
             return
         recorded = next((e for e in reversed(self._load()) if _key_of(e) == key), None)
         self._expected = _Expected(checkpoint, key, recorded)
+        self._resumed_from = checkpoint
 
-    def _check(self, key: Key, item: Any) -> None:
+    def _check(self, key: Key, item: Any, iterators: list[str] | None = None) -> None:
         expected, self._expected = self._expected, None
-        assert expected is not None
-        verdict, differs = "unrecorded", ""  # unrecorded also: the loop went on elsewhere
-        if key == expected.key and expected.recorded is not None:
-            crc, what = fingerprint(item)
-            verdict = "same"
-            if crc != expected.recorded["crc"]:
-                was = expected.recorded.get("what")
-                verdict = "differs"
-                subject = (f"batch {key[1]} of epoch {key[0]} (step {key[2]})" if self._inputs
-                           is None else f"what step {key[2] + 1} starts from (the random "
-                           "streams and ckpt.extras)")
-                differs = (f"{subject}, the first after {expected.checkpoint}, is not what the "
-                           f"interrupted run was about to train on (CRC-32 {crc:08x}, {what}; "
-                           f"it had {expected.recorded['crc']:08x}{f', {was}' if was else ''})")
+        state, self._state = self._state, None
+        checkpoint = expected.checkpoint if expected is not None else self._resumed_from or "?"
+        verdict, differs, why = self._compare(expected, key, item, iterators)
+        state_differs = None
+        if state is not None:
+            try:
+                state_differs = state.problem(checkpoint, key[2])
+            except Exception as e:  # the audit must never fail the training it observes
+                logger.warning("resume audit: could not compare the state the first step "
+                               "starts from (%s: %s)", type(e).__name__, e)
+        mine = bool(differs or state_differs)
         # In a group every rank gets here at its first batch: the group learns which differ.
-        ranks = self._group_differs(bool(differs)) if self._group_differs is not None \
-            else ([self.rank] if differs else [])
+        ranks = self._group_differs(mine) if self._group_differs is not None \
+            else ([self.rank] if mine else [])
         refused = self.mode == STRICT and bool(ranks)
-        if ranks and not differs:  # another rank's batch
+        if ranks and not mine:  # another rank's
             verdict = "refused" if refused else f"differs on rank {', '.join(map(str, ranks))}"
-        elif differs:
+        elif mine:
             verdict = "refused" if refused else "differs"
-        self._settle(verdict, expected, key)
-        if not differs:
+        if expected is not None or state_differs:
+            self._settle(verdict or "differs", _Expected(checkpoint, key, None), key,
+                         state="differs" if state_differs else (None if state is None
+                                                                else "same"), why=why)
+        if why and not mine:
+            logger.warning("resume audit: %s; this resume is not audited", why)
+        if not mine:
             if refused:
-                self._refuse(f"resume audit: the first batch after {expected.checkpoint} "
-                             f"differs on rank {', '.join(map(str, ranks))} of the group (its "
-                             "log says how); stopped before training on it (--audit strict)")
+                self._refuse(f"resume audit: the first batch after {checkpoint} differs on "
+                             f"rank {', '.join(map(str, ranks))} of the group (its log says "
+                             "how); stopped before training on it (--audit strict)")
             return
-        message = (f"resume audit: {differs}. The data order changed across the resume: "
-                   f"usually a sampler or generator seeded afresh instead of restored, a "
-                   f"set_epoch() missing, a loader's state not handed to procckpt, or data files "
-                   f"that changed" if self._inputs is None else
-                   f"resume audit: {differs}. The script changed them after procckpt restored "
-                   f"them: usually a batch fetched ahead written into ckpt.extras again before "
-                   f"the loop (take it from there after a resume)")
+        message = f"resume audit: {state_differs}" if state_differs else (
+            f"resume audit: {differs}. The data order changed across the resume: usually a "
+            f"sampler or generator seeded afresh instead of restored, a set_epoch() missing, "
+            f"a loader's state not handed to procckpt, or data files that changed"
+            if self._inputs is None else
+            f"resume audit: {differs}. The script changed them after procckpt restored them: "
+            f"usually a batch fetched ahead written into ckpt.extras again before the loop "
+            f"(take it from there after a resume)")
         if refused:
             self._refuse(f"{message}; stopped before training on it (--audit strict)")
         logger.warning("%s; training goes on (--audit strict would stop here)", message)
 
+    def _compare(self, expected: _Expected | None, key: Key, item: Any,
+                 iterators: list[str] | None) -> tuple[str | None, str, str | None]:
+        """The first batch against the recorded one: the verdict, what differs (in words, or
+        ""), and why it was not audited (or None)."""
+        if expected is None:
+            return None, "", None
+        if iterators:
+            return "unaudited", "", (
+                f"the steps() loop draws its batches from {', '.join(iterators)}, which procckpt "
+                "neither positions nor sees (a resume starts it afresh unless the script "
+                "restores it): iterate ckpt.batches(loader) for an exact, audited resume")
+        if key != expected.key or expected.recorded is None:
+            return "unrecorded", "", None  # unrecorded also: the loop went on elsewhere
+        seen = self._observe(item)
+        unseen = seen.unseen or expected.recorded.get("unseen")
+        subject = (f"batch {key[1]} of epoch {key[0]} (step {key[2]})" if self._inputs is None
+                   else f"what step {key[2] + 1} starts from (the random streams and "
+                        "ckpt.extras)")
+        if unseen:
+            return "unaudited", "", (f"{subject} holds what the audit cannot look into "
+                                     f"({unseen})")
+        if seen.crc == expected.recorded["crc"]:
+            return "same", "", None
+        was = expected.recorded.get("what")
+        recorded_parts = expected.recorded.get("parts") or {}
+        named = [name for name, crc in (seen.parts or {}).items()
+                 if recorded_parts.get(name, crc) != crc]
+        which = f" ({', '.join(named)} differ{'s' if len(named) == 1 else ''})" if named else ""
+        return "differs", (
+            f"{subject}, the first after {expected.checkpoint}, is not what the interrupted run "
+            f"was about to train on{which} (CRC-32 {seen.crc:08x}, {seen.what}; it had "
+            f"{expected.recorded['crc']:08x}{f', {was}' if was else ''})"), None
+
     def _settle(self, verdict: str | None, expected: _Expected | None = None,
-                key: Key | None = None) -> None:
+                key: Key | None = None, state: str | None = None,
+                why: str | None = None) -> None:
         self._expected = None
         self.verdict = verdict
         if verdict is None or expected is None or key is None or self._journal is None:
             return
         append_event(self._journal, "audit", checkpoint=expected.checkpoint, epoch=key[0],
-                     batch=key[1], step=key[2], verdict=verdict)
+                     batch=key[1], step=key[2], verdict=verdict,
+                     **({"state": state} if state else {}), **({"why": why} if why else {}))
 
 
 class _AuditedPass:

@@ -38,6 +38,7 @@ from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
 from .saving import Saves, background_savers, frozen_chunks
+from .state.first_step import ADVICE, StateExpectation, live_state
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest
@@ -83,6 +84,10 @@ class Checkpointer:
     ``init_process_group()``: the ranks agree on each checkpoint, rank 0 writes the
     replicated state, every rank its random streams and its :class:`procckpt.Sharded` shards.
     """
+
+    #: The state a resume restored, fingerprinted for its first step's audit (set while it
+    #: loads: state/first_step.py).
+    _restored_state: tuple[Any, Any, str | None] | None = None
 
     def __init__(
         self,
@@ -328,6 +333,11 @@ class Checkpointer:
         info = resume_newest(self)
         if info is not None:  # its first batch is compared with the one recorded (audit.py)
             self._audit.resumed(info.name, self._progress.position)
+            if self._restored_state is not None:  # and the state its first step starts from
+                prints, counters, advice = self._restored_state
+                self._restored_state = None
+                self._audit.expect_state(StateExpectation(
+                    prints, lambda: live_state(self._statefuls), advice or ADVICE, counters))
         return info
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from ..errors import ProcckptError, logged_exit
 from .accumulation import window_ended
 from .position.rng import capture_rng
+from .unsaved import iterators_held
 
 __all__ = ["epochs", "batches", "steps", "last_batch"]
 
@@ -99,6 +100,10 @@ def _handed_out_its_last(loader: Any) -> bool:
     return getattr(loader, "end_of_dataloader", False) is True
 
 
+def _iterators_of(frame: Any) -> Any:
+    return lambda: iterators_held(frame)
+
+
 def step_inputs(ck: Any) -> dict[str, Any]:
     """What a step of ``steps()`` starts from, beside its number: the random streams it draws
     its data with (Python's and torch's CPU one: NumPy's and CUDA's exist in one process and
@@ -123,7 +128,8 @@ def steps(ck: Any, total: int) -> Iterator[int]:
         ck._finish()
         return
     for number in numbers:
-        ck._audit.step_starts(progress.position)
+        # (the frame that runs the loop: its iterators, if it draws its data from one)
+        ck._audit.step_starts(progress.position, _iterators_of(sys._getframe(1)))
         ck._in_batch = True
         try:
             yield number

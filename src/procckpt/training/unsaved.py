@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import sysconfig
 import types
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-__all__ = ["unsaved_statefuls", "describe_unsaved", "HeldTensors"]
+__all__ = ["unsaved_statefuls", "describe_unsaved", "HeldTensors", "iterators_held"]
 
 
 class HeldTensors:
@@ -209,3 +209,33 @@ def _holds_unsaved_state(obj: Any, covered: set[int], tensors: set[int]) -> bool
     except Exception:  # not ours to judge: a state_dict() that needs arguments, say
         return False
     return bool(state)  # a disabled GradScaler's is empty
+
+
+#: Iterators over a container of the script's (a list's, a range's): not where data comes from.
+_CONTAINERS: tuple[Any, ...] = ([], (), range(0), "", b"", {}, {}.values(), {}.items(), set(),
+                                 bytearray())
+_CONTAINER_ITERATORS = frozenset(type(iter(x)).__name__ for x in _CONTAINERS)
+
+
+def iterators_held(frame: types.FrameType | None) -> list[str]:
+    """The iterators the script's loop frame holds (its variables, and the attributes of its
+    ``self``): a loop that draws its batches from one (``next(data_iter)``) reads data that
+    procckpt neither positions nor sees. Named as "data_iter (a _SingleProcessDataLoaderIter,
+    in run())"."""
+    if frame is None or not _is_the_scripts(frame.f_code.co_filename):
+        return []
+    where = frame.f_code.co_name
+    where = f", in {where}()" if where != "<module>" else ""
+    names = dict(frame.f_locals)
+    owner = names.get("self")
+    if owner is not None and isinstance(getattr(owner, "__dict__", None), dict):
+        names.update({f"self.{k}": v for k, v in vars(owner).items()})
+    return [f"{name} (a {type(obj).__name__}{where})" for name, obj in names.items()
+            if _draws_data(obj)]
+
+
+def _draws_data(obj: Any) -> bool:
+    if not isinstance(obj, Iterator) or type(obj).__name__ in _CONTAINER_ITERATORS:
+        return False
+    module = type(obj).__module__ or ""
+    return module.split(".")[0] != "procckpt" and type(obj).__name__ != "count"

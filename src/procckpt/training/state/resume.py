@@ -19,6 +19,7 @@ from ...store import CheckpointInfo, CheckpointStore, read_with_retries
 from .. import group as dist_
 from ..link.context import force_requested
 from ..position.resplit import resplit_position
+from .first_step import restored_state
 from .mapped import MappedVerification, private_copy
 from .payload import PAYLOAD, Stateful, load_statefuls, read_payload
 
@@ -151,6 +152,8 @@ def apply_payload(ck: Any, info: CheckpointInfo, payload: dict[str, Any]) -> dic
     if ck._dist is None:
         payload = single_process_view(info, payload, ck._statefuls, ck.allow_reshard)
     load_statefuls(info, payload, ck._statefuls)
+    if ck._audit.on:  # the state as restored, for the first step's audit (first_step.py)
+        ck._restored_state = restored_state(ck._statefuls, payload)
     return payload
 
 
