@@ -253,3 +253,25 @@ def test_a_stop_signal_during_the_deadlines_stop_ends_the_run_after_its_checkpoi
     assert not [e for e in log if e["event"] == "restart"], rest
     assert [e for e in log if e["event"] == "checkpoint"], rest
     assert "the run stops after it" in rest
+
+
+def test_a_checkpoint_signal_after_the_training_leaves_the_code_after_it_alone(workdir: Path):
+    """Slurm's ``--signal=B:USR1@...`` may come while the script exports its model after the
+    loop: the training's final checkpoint is taken, so the launcher asks for none, and the
+    export (longer than the grace) runs to its end."""
+    script = ("import time, torch, procckpt\n"
+              "model = torch.nn.Linear(2, 1)\n"
+              "ckpt = procckpt.Checkpointer(model=model)\n"
+              "for epoch in ckpt.epochs(2):\n    pass\n"
+              "print('exporting', flush=True)\n"
+              "time.sleep(6)\n"
+              "print('exported', flush=True)\n")
+    proc = start(["--grace", "2s", "--", PYTHON, "-c", script], workdir)
+    wait_for_line(proc, "exporting")
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGUSR2)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert "exported" in out, err[-3000:]
+    assert "SIGUSR1 after the training finished: nothing left to checkpoint" in err, err[-3000:]

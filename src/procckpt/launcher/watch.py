@@ -139,6 +139,14 @@ class CycleWatch:
         action = self.actions.get(signum)
         name = signal.Signals(signum).name
         outcome = self.outcome
+        if signum in (signal.SIGUSR1, signal.SIGUSR2) and action is not Action.FORWARD \
+                and self.stop is None and self.store.completion() is not None:
+            # The training finished and took its final checkpoint: what runs now is the
+            # script's own code after it (an evaluation, an export), which a checkpoint
+            # request would only wait on and then kill. (SIGTERM still ends the command.)
+            logger.info("%s after the training finished: nothing left to checkpoint; the "
+                        "command's code after the training goes on", name)
+            return
         if action is Action.INTERRUPT:
             self.sigints += 1
             if self.sigints >= 2:
