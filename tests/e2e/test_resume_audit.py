@@ -287,6 +287,10 @@ def test_a_start_time_in_extras_is_no_difference(workdir: Path):
                    *AUDITED, *args], cwd=workdir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [e["verdict"] for e in events(ckpt, "audit")] == ["same"]
+    # A rerun by hand is the training's restart 1, in its log and in procckpt status alike.
+    assert "(restart 1)" in resumed.stderr, resumed.stderr[-3000:]
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    assert "launches: 2   restarts: 1" in status.stdout, status.stdout
 
 
 @pytest.mark.parametrize(("framework", "argument"), [

@@ -38,13 +38,21 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
         **({"finished": complete} if complete else {}),
         **({"holder": holder} if holder else {}),
         "goodput": goodput.as_json() if goodput is not None else None,
-        "launches": _count(history, "start"), "restarts": _count(history, "restart"),
+        "launches": _count(history, "start"), "restarts": _restarts(history),
         "hangs": _count(history, "hang"),
         "audits": [{k: e.get(k) for k in ("checkpoint", "epoch", "batch", "step", "verdict")}
                    for e in history if e.get("event") == "audit"],
         "checkpoints": _checkpoints(store, history, verify),
         "events": history[-events:] if events > 0 else [],
     }
+
+
+def _restarts(history: list[dict[str, Any]]) -> int:
+    """How often the training was started again, as its log counts them ("restart 3"): by
+    this launcher, by a requeue or by a rerun of the command."""
+    resumed = [e.get("restart") for e in history if e.get("event") == "resume"]
+    counted = resumed[-1] if resumed and isinstance(resumed[-1], int) else 0
+    return max(counted, _count(history, "restart"))
 
 
 def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
@@ -84,7 +92,7 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
     lines += _table(rows)
     hangs, lost = _count(history, "hang"), _count(history, "node-lost")
     lines.append("")
-    lines.append(f"launches: {_count(history, 'start')}   restarts: {_count(history, 'restart')}   "
+    lines.append(f"launches: {_count(history, 'start')}   restarts: {_restarts(history)}   "
                  f"checkpoints saved: {_count(history, 'checkpoint')}"
                  + (f"   hangs: {hangs}" if hangs else "")
                  + (f"   nodes lost: {lost}" if lost else ""))
