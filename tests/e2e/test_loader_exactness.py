@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, run
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
 
 SCRIPT = PROGRAMS / "loader_train.py"
 _references: dict[tuple[bool, int], Path] = {}
@@ -97,3 +97,29 @@ def test_a_coin_flip_from_the_data_sets_own_generator_is_replayed_and_exact(work
     assert "replayed the 4 batches" in result.stderr and "(self.coin)" in result.stderr, \
         result.stderr[-3000:]
     assert_bit_identical(ref, resumed)
+
+
+def test_a_worker_init_fn_that_configures_its_worker_s_data_set_reaches_it(workdir: Path):
+    """torch's documented way to set a worker up: ``get_worker_info().dataset``, an attribute
+    set there in ``worker_init_fn`` (here a scale, standing for a shard's range or a file).
+    Under ckpt.batches() that object is procckpt's wrapper; the attribute must reach the data
+    set the loader reads, as it does without procckpt."""
+    script = workdir / "configured.py"
+    script.write_text(
+        "import torch, procckpt\n"
+        "from torch.utils.data import DataLoader, Dataset, get_worker_info\n\n"
+        "class Scaled(Dataset):\n"
+        "    scale = 1\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return i * self.scale\n\n"
+        "def configure(worker_id):\n    get_worker_info().dataset.scale = 100\n\n"
+        "loader = DataLoader(Scaled(), batch_size=1, num_workers=2, worker_init_fn=configure)\n"
+        "ckpt = procckpt.Checkpointer(model=torch.nn.Linear(1, 1))\n"
+        "for epoch in ckpt.epochs(1):\n"
+        "    print('read', [int(b) for b in ckpt.batches(loader)], flush=True)\n")
+    alone = run([PYTHON, str(script)], cwd=workdir, env={"PROCCKPT_DIR": str(workdir / "a")})
+    assert alone.returncode == 0 and "read [0, 100, 200, 300]" in alone.stdout, alone.stderr
+    launched = run([*procckpt_argv(), "run", "--dir", str(workdir / "b"), "--", PYTHON,
+                    str(script)], cwd=workdir)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "read [0, 100, 200, 300]" in launched.stdout, launched.stdout

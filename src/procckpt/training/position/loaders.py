@@ -259,9 +259,27 @@ class SeededSamples(Dataset):
     def __getattr__(self, name: str) -> Any:
         # A worker_init_fn may look at the data set's attributes; pickling (spawn) must not
         # recurse into a half-built object.
-        if name.startswith("__") or name == "dataset":
+        if name.startswith("__") or name in _OWN:
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # get_worker_info().dataset is this wrapper in a worker: what a worker_init_fn sets
+        # there (a shard's range, a file handle, a generator) is the user's data set's.
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.dataset, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in _OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self.dataset, name)
+
+
+#: SeededSamples' own attributes; every other one is its data set's.
+_OWN = frozenset({"dataset", "in_process_seed"})
 
 
 def sample_seed(base: int, index: Any) -> int:
