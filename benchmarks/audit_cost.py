@@ -139,6 +139,12 @@ def batch_costs(batch: torch.Tensor, root: Path, repeats: int) -> dict[str, floa
             "copy": median_seconds(batch.clone, repeats)}
 
 
+def stop_seconds(data: torch.Tensor, rows: int, repeats: int) -> float:
+    """Seconds to read one more batch of ``rows`` from a DataLoader (a stop's cost)."""
+    loader = DataLoader(TensorDataset(data), batch_size=rows)
+    return median_seconds(lambda: next(iter(loader)), repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,64,512", help="batch sizes in MB")
@@ -171,8 +177,7 @@ def main() -> None:
         for mb in (int(s) for s in args.sizes.split(",")):
             batches = layouts(mb)
             rows = batches["contiguous"].shape[0]
-            loader = DataLoader(TensorDataset(batches["contiguous"]), batch_size=rows)
-            stop_s = median_seconds(lambda: next(iter(loader)), args.repeats)  # noqa: B023
+            stop_s = stop_seconds(batches["contiguous"], rows, args.repeats)
             for name, batch in batches.items():
                 costs = batch_costs(batch, Path(tmp), args.repeats)
                 resume_s = costs["compare"] + state_s
@@ -180,7 +185,7 @@ def main() -> None:
                       f"{resume_s * 1e3:>7.1f}ms {stop_s * 1e3:>7.1f}ms "
                       f"{costs['record'] / costs['copy']:>16.2f} "
                       f"{costs['compare'] / costs['copy']:>12.2f}")
-            del batches, loader
+            del batches
     print()
     print("resume: the batch compared plus the state above; stop: one more batch read (a "
           "DataLoader's collate of one batch); the audit keeps no batch but the newest one "
