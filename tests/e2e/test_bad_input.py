@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from procckpt.protocol.events import read_events
+
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
 from ..harness.processes import (
     LOADER,
@@ -122,8 +124,13 @@ def test_break_out_of_the_epochs_loop_says_what_to_write(workdir: Path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "the ckpt.epochs() loop was left before its end" in result.stderr
     assert "call ckpt.finish() before break" in result.stderr
-    assert "so the run is not marked complete and running it again" in result.stderr
+    assert "the training is not finished" in result.stderr
+    assert "the run is not marked complete: running it again" in result.stderr
     assert not (workdir / "c" / "COMPLETE").exists()
+    [ended] = [e for e in read_events(workdir / "c" / "events.jsonl") if e["event"] == "exit"]
+    assert (ended["reason"], ended["code"]) == ("ended-early", 0)
+    status = run([*procckpt_argv(), "status", "c"], cwd=workdir)
+    assert "finished" not in status.stdout.splitlines()[0], status.stdout
 
 
 def test_a_crash_inside_the_loop_is_not_taken_for_a_break(workdir: Path):

@@ -44,7 +44,8 @@ ENDINGS = {"finished": "finished", "stopped": "saved, stopped", "exited": "exite
 #: What came after a cycle: a restart's cause, or how the launch ended.
 AFTER = {"deadline": "restart: time limit", "failure": "restart: crash", "hang": "restart: hang",
          "signal": "restart: signal", "child": "restart", "requeued": "requeued",
-         "checkpointed": "exit 75 (resume later)", "finished": "", "already-complete": ""}
+         "checkpointed": "exit 75 (resume later)", "finished": "", "already-complete": "",
+         "ended-early": "exit 0, not finished"}
 
 
 def write_report(root: Path, output: Path | None = None) -> Path:

@@ -36,6 +36,7 @@ EXIT_CODES: dict[ExitReason, int | None] = {
     ExitReason.UNSAVED_STOP: EX_TEMPFAIL,
     ExitReason.NOT_CHECKPOINTABLE: EX_NOT_SAVED,
     ExitReason.FAILED: None,
+    ExitReason.ENDED_EARLY: None,
     ExitReason.INTERRUPTED: None,
 }
 

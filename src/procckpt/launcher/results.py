@@ -26,6 +26,8 @@ class ExitReason(enum.Enum):
     STORAGE_FAILED = "storage-failed"  # no space, no permission, a read error
     CHECKPOINTS_UNUSABLE = "checkpoints-unusable"  # every checkpoint fails its checks
     FAILED = "failed"  # the command's own exit code
+    #: The command exited 0 before the end of its training loop (a break): not finished.
+    ENDED_EARLY = "ended-early"
     INTERRUPTED = "interrupted"  # the command ended after a signal passed on to it
     HUNG = "hung"  # stuck again and again, past the restart budget
     AUDIT_REFUSED = "audit-refused"  # --audit strict: a resume's first batch was not the one

@@ -278,10 +278,11 @@ class Supervisor(RunLoop):
             if os.environ.get(ctl.ENV_CHECK):
                 return self._exit(ExitReason.FINISHED, "the command exited 0 at the step "
                                   "procckpt check ended it")
-            return self._exit(ExitReason.FINISHED,
-                              "the command exited 0 before the end of its training loop "
-                              "(ckpt.epochs(), steps() or batches(); a break?), so the run is "
-                              "not marked complete and running it again "
+            return self._exit(ExitReason.ENDED_EARLY,
+                              "the command exited 0 before the end of its training loop, so "
+                              "the training is not finished "
+                              "(ckpt.epochs(), steps() or batches(); a break?) and the run is "
+                              "not marked complete: running it again "
                               f"{resumes_from(self.store, verb='resumes')}; to end training early, "
                               "call ckpt.finish() before break")
         ended = exit_words(code)
