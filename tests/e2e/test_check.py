@@ -15,16 +15,19 @@ import pytest
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
 
 
-def check(workdir: Path, *command: str, steps: int = 12) -> subprocess.CompletedProcess[str]:
+def check(workdir: Path, *command: str, steps: int = 12,
+          writes: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """``procckpt check`` with its scratch dirs under ``workdir/tmp`` (TMPDIR), so that a
-    test can see that it cleans up after itself."""
+    test can see that it cleans up after itself; ``writes``: what the command itself writes
+    into its working directory."""
     tmp = workdir / "tmp"
     tmp.mkdir(exist_ok=True)
     done = run([*procckpt_argv(), "check", "--steps", str(steps), "--", *command], cwd=workdir,
                timeout=600, env={"TMPDIR": str(tmp)})
     # (torch keeps caches of its own there: torchinductor_root, torchelastic_*)
     assert not list(tmp.glob("procckpt-check-*")), "the check left its runs behind"
-    assert sorted(p.name for p in workdir.iterdir()) == ["tmp"], "the check wrote into the cwd"
+    assert sorted(p.name for p in workdir.iterdir()) == sorted(["tmp", *writes]), \
+        "the check wrote into the cwd"
     return done
 
 
@@ -253,3 +256,23 @@ def test_a_stop_asked_at_an_epochs_last_batch_is_exact(workdir: Path):
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert done.stdout.startswith("exact: stopped at the end of an epoch at step 32, "), (
         done.stdout)
+
+
+def test_lightning_with_its_default_logger_and_model_checkpoint_is_exact(
+        workdir: Path, tmp_path_factory):
+    """Lightning's default logger opens lightning_logs/version_N anew in every run, and that
+    path lands in ModelCheckpoint's state: the check leaves the logger's number out, and does
+    not call a seeded script "not deterministic" for it."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    scripts = tmp_path_factory.mktemp("script")
+    source = (EXAMPLES / "lightning_train.py").read_text()
+    defaults = source.replace("logger=False, enable_checkpointing=False,", "")
+    assert defaults != source
+    (scripts / "train.py").write_text(defaults)
+    (scripts / "framework_common.py").write_text((EXAMPLES / "framework_common.py").read_text())
+    done = check(workdir, PYTHON, str(scripts / "train.py"), "--epochs", "2", steps=30,
+                 writes=("lightning_logs",))
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert done.stdout.startswith("exact: "), done.stdout
+    assert "framework.callbacks" in done.stdout, done.stdout

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import zlib
 from collections.abc import Callable
@@ -59,8 +60,30 @@ def fingerprints(payload: dict[str, Any],
     return {name: _part_crc(name, value, entries) for name, value in sorted(parts.items())}
 
 
+#: A logger's run folder in a path (Lightning's ``lightning_logs/version_3``): each run of the
+#: script opens the next one, so a framework's state (ModelCheckpoint's ``dirpath``, ``best
+#: _model_path``) names another in every run, though the training is the same.
+_LOG_VERSION = re.compile(r"(?<=[/\\])version_\d+(?=$|[/\\])")
+
+
+def _without_log_versions(value: Any) -> Any:
+    """``value`` with every logger's ``version_N`` in its strings written ``version_N``."""
+    if isinstance(value, str):
+        return _LOG_VERSION.sub("version_N", value)
+    if isinstance(value, dict):  # (its type does not count: _crc sorts the keys)
+        return {k: _without_log_versions(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_log_versions(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_without_log_versions(v) for v in value)
+    return value
+
+
 def _part_crc(name: str, value: Any, entries: dict[str, dict[str, int]] | None) -> int:
-    """One part's CRC; a stateful's state dict entry by entry, into ``entries``."""
+    """One part's CRC; a stateful's state dict entry by entry, into ``entries``. A
+    framework's own parts leave out the run folder its logger numbers anew in each run."""
+    if name.startswith("framework."):
+        value = _without_log_versions(value)
     if not (name.startswith(("statefuls.", "framework.")) and isinstance(value, dict) and value):
         return _crc(value)
     each = {key if isinstance(key, str) else repr(key): _crc(item)
