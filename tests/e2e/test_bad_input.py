@@ -118,6 +118,34 @@ def test_a_script_that_reaches_procckpt_through_its_own_module_is_no_unsaveable_
         result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("loops", ["two-passes-an-epoch", "own-epoch-loop"])
+def test_a_second_pass_of_batches_in_one_epoch_is_refused_before_it_trains(workdir: Path,
+                                                                          loops: str):
+    """Two ``ckpt.batches()`` in one epoch (a second task), or the script's own ``for epoch
+    in range()`` around one: a checkpoint in the second pass would resume in the first, its
+    batches trained twice. Refused at the first run, before the second pass trains, in one
+    line that says what to write."""
+    body = {"two-passes-an-epoch": "for epoch in ckpt.epochs(2):\n"
+                                   "    for b in ckpt.batches(loader):\n        step(b)\n"
+                                   "    for b in ckpt.batches(loader2):\n        step(b)\n",
+            "own-epoch-loop": "for epoch in range(2):\n"
+                              "    for b in ckpt.batches(loader):\n        step(b)\n"}[loops]
+    script = workdir / "passes.py"
+    script.write_text("import torch, procckpt\nfrom torch.utils.data import DataLoader\n"
+                      "loader = DataLoader(list(range(16)), batch_size=2)\n"
+                      "loader2 = DataLoader(list(range(8)), batch_size=2)\n"
+                      "ckpt = procckpt.Checkpointer(model=torch.nn.Linear(1, 1))\n"
+                      "def step(b):\n    print('trained', b.tolist(), flush=True)\n" + body)
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--", PYTHON, str(script)],
+                 cwd=workdir)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stdout.count("trained") == 8, result.stdout  # the first pass alone
+    assert "Traceback" not in result.stderr
+    want = "for epoch in ckpt.epochs(2 * n)" if loops == "two-passes-an-epoch" else \
+        "for epoch in ckpt.epochs(n): for batch in ckpt.batches(loader)"
+    assert want in result.stderr, result.stderr[-3000:]
+
+
 def test_break_out_of_the_epochs_loop_says_what_to_write(workdir: Path):
     result = run([*procckpt_argv(), "run", "--dir", "c", "--", *LOADER, "--epochs", "5",
                   "--break-at-step", "13"], cwd=workdir)

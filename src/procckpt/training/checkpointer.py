@@ -88,6 +88,8 @@ class Checkpointer:
     #: The state a resume restored, fingerprinted for its first step's audit (set while it
     #: loads: state/first_step.py).
     _restored_state: tuple[Any, Any, str | None] | None = None
+    #: Where the last ``batches()`` pass ended (loops.py: one pass an epoch).
+    _pass_ended: tuple[bool, int | None, int | None] | None = None
 
     def __init__(
         self,

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
-from ..errors import ProcckptError, logged_exit
+from ..errors import ProcckptError, UsageError, logged_exit
 from .accumulation import window_ended
 from .position.rng import capture_rng
 from .unsaved import iterators_held
@@ -62,6 +62,7 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
     progress = ck._progress
     if ck._finished:
         return
+    _one_pass_an_epoch(ck)
     ck._progress.check_streams(ck._journal)
     try:
         iterator = progress.open_loader(loader, ck._journal)
@@ -81,6 +82,40 @@ def batches(ck: Any, loader: Iterable[T]) -> Iterator[T]:
         else:  # inside a gradient accumulation: its summed gradients are in no checkpoint
             ck._check.at_safe_point(ck, False, saves=False)  # under procckpt check only
     progress.end_pass()
+    ck._pass_ended = (progress.in_epochs, progress.epoch if progress.in_epochs else None,
+                      progress.batch if progress.in_epochs else None)
+
+
+def _one_pass_an_epoch(ck: Any) -> None:
+    """Refuse a second ``batches()`` pass in one epoch (or a second one outside ``epochs()``),
+    before it trains: a checkpoint taken in it holds a position (epoch, batch) that a resume
+    reads as one of the first pass, whose batches it would train again.
+
+    Raises:
+        UsageError: ending the process (exit 2) with what to write instead.
+    """
+    ended = getattr(ck, "_pass_ended", None)
+    progress = ck._progress
+    if ended is None or ended[0] != progress.in_epochs:
+        return
+    if progress.in_epochs and ended[1] == progress.epoch:
+        message = (
+            f"ckpt.batches() was opened a second time in epoch {progress.epoch}, after a pass of "
+            f"{ended[2]} batches: a resume could not tell a checkpoint taken in this pass from "
+            "one in the first, and would train the first loader's batches again. Use one "
+            "ckpt.batches() an epoch: draw both passes from one loader (a ConcatDataset, or a "
+            "loader that yields each task's batches in turn), or give each pass an epoch of "
+            "its own (for epoch in ckpt.epochs(2 * n): alternate the loaders)")
+    elif not progress.in_epochs:
+        message = (
+            "ckpt.batches() was opened again after its pass over the loader ended, outside "
+            "ckpt.epochs(): a resume could not tell which pass it stopped in, and would train "
+            "the first pass's batches again. Let procckpt count the epochs: for epoch in "
+            "ckpt.epochs(n): for batch in ckpt.batches(loader): ...")
+    else:
+        return
+    ck._exiting = True
+    raise logged_exit(UsageError(message), logger) from None
 
 
 def last_batch(progress: Any) -> int | None:
