@@ -123,3 +123,18 @@ def test_a_worker_init_fn_that_configures_its_worker_s_data_set_reaches_it(workd
                     str(script)], cwd=workdir)
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert "read [0, 100, 200, 300]" in launched.stdout, launched.stdout
+
+
+def test_a_generator_made_in_worker_init_fn_is_detected_and_replayed(workdir: Path):
+    """The coin's generator does not exist in the main process: worker_init_fn makes it on
+    each worker's data set. The probe runs as a worker would (worker_init_fn first), finds it,
+    and the resume replays instead of skipping: exact."""
+    args = ["--workers", "2", "--coin-in-worker-init"]
+    ref, done = train(workdir, "ref", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, killed = train(workdir, "run", *args, "--checkpoint-at-step", "16", "--kill-at-step", "18")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed, result = train(workdir, "run", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replayed the 4 batches" in result.stderr, result.stderr[-3000:]
+    assert_bit_identical(ref, resumed)

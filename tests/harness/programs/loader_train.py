@@ -48,6 +48,15 @@ class NoisyBlobs(Dataset):
         return x, self.y[i]
 
 
+def coin_per_worker(worker_id: int) -> None:
+    """A worker_init_fn that gives the worker's data set a coin of its own (torch's docs: set
+    a worker up through get_worker_info().dataset)."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    info.dataset.coin = __import__("numpy").random.default_rng(info.seed % 2**32)
+
+
 class OwnStatefulLoader:
     """A stateful loader of the script's own: a shuffled order per epoch from a seed and the
     epoch number, resumable from (epoch, position) through state_dict()/load_state_dict()."""
@@ -100,6 +109,9 @@ def main() -> None:
                         help="the data set draws its noise from a generator of its own")
     parser.add_argument("--coin-flip", action="store_true",
                         help="a sign flip with probability 1/2 from the data set's own generator")
+    parser.add_argument("--coin-in-worker-init", action="store_true",
+                        help="the coin's generator is made in worker_init_fn, on the worker's "
+                             "data set (get_worker_info().dataset), seeded by the worker's seed")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -114,7 +126,8 @@ def main() -> None:
         else:
             from torch.utils.data import DataLoader
         loader = DataLoader(data, batch_size=8, shuffle=True, generator=generator,
-                            num_workers=args.workers, persistent_workers=args.persistent_workers)
+                            num_workers=args.workers, persistent_workers=args.persistent_workers,
+                            worker_init_fn=coin_per_worker if args.coin_in_worker_init else None)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ckpt = procckpt.Checkpointer(model=model, optimizer=optimizer)

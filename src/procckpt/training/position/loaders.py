@@ -97,7 +97,8 @@ def open_at(loader: Iterable[Any], skip: int, isolate_loads: bool = False,
     reason = ""
     if skip:
         reason = not_repeatable(loader.dataset,
-                                lambda index: seed_streams(sample_seed(0, index)))
+                                lambda index: seed_streams(sample_seed(0, index)),
+                                loader.num_workers, loader.worker_init_fn)
         if not reason:
             field = "batch_sampler" if loader.batch_sampler is not None else "sampler"
             skipping = swaps[field] = _SkipFirst(getattr(loader, field), skip)
@@ -154,7 +155,8 @@ def _open_wrapper(loader: Any, skip: int) -> tuple[Iterator[Any], str]:
                                                        in_process_seed=_epoch_seed(base))}
     reason = ""
     if skip:
-        reason = not_repeatable(base.dataset, lambda index: seed_streams(sample_seed(0, index)))
+        reason = not_repeatable(base.dataset, lambda index: seed_streams(sample_seed(0, index)),
+                                base.num_workers, base.worker_init_fn)
         if not reason:
             field = "batch_sampler" if base.batch_sampler is not None else "sampler"
             swaps[field] = _SkipFirst(getattr(base, field), skip)

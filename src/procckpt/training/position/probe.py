@@ -28,9 +28,13 @@ STATE_DEPTH = 3
 STATE_OBJECTS = 256
 
 
-def not_repeatable(dataset: Any, seed: Callable[[int], None]) -> str:
+def not_repeatable(dataset: Any, seed: Callable[[int], None], workers: int = 0,
+                   worker_init: Callable[[int], None] | None = None) -> str:
     """Why skipping the samples of ``dataset`` would not be exact ("" when it would);
     ``seed(index)`` seeds the global streams as a worker does before loading that sample.
+    With ``workers`` and their ``worker_init`` (a DataLoader's ``worker_init_fn``), the child
+    is set up as worker 0 first: a generator the function gives the worker's data set is one
+    the data set holds when it loads.
 
     A sample must be a function of its index and the global random streams. Chance must not
     decide that: a coin-flip augmentation from a generator of the data set's own gives the same
@@ -57,6 +61,8 @@ def not_repeatable(dataset: Any, seed: Callable[[int], None]) -> str:
         code = 3
         try:
             os.close(read)
+            if workers and worker_init is not None:
+                _as_worker(dataset, workers, worker_init)
             why = _probe(dataset, size, seed)
             os.write(write, why.encode()[:4096])
             code = 0
@@ -69,6 +75,17 @@ def not_repeatable(dataset: Any, seed: Callable[[int], None]) -> str:
     if ended != 0:
         return f"a test load of the data set in a child process failed ({ended})"
     return why
+
+
+def _as_worker(dataset: Any, workers: int, worker_init: Callable[[int], None]) -> None:
+    """Make this (forked, probing) process look like a DataLoader's worker 0 of ``workers``
+    to ``get_worker_info()``, and run the loader's ``worker_init_fn`` in it."""
+    from torch.utils.data._utils import worker
+
+    seed = int(torch.empty((), dtype=torch.int64).random_().item())
+    worker._worker_info = worker.WorkerInfo(id=0, num_workers=workers, seed=seed,
+                                            dataset=dataset)
+    worker_init(0)
 
 
 def _probe(dataset: Any, size: int, seed: Callable[[int], None]) -> str:
