@@ -16,6 +16,7 @@ from procckpt.launcher.decide import (
     after_cycle,
     after_node_loss,
     after_verdict,
+    procckpt_code,
 )
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.restart import Decision, StopCause
@@ -45,8 +46,12 @@ AFTER_CYCLE = {
                            (Action.EXIT, ExitReason.HUNG, "")),
     "hung as it finished": (CycleOutcome(0, hung=True, finished=True), RunSoFar(5, 5, 20),
                             (Action.EXIT, ExitReason.FINISHED, "")),
-    "no space": (CycleOutcome(74), RUN, (Action.EXIT, ExitReason.STORAGE_FAILED, "")),
-    "every checkpoint damaged": (CycleOutcome(65), RUN,
+    "no space": (CycleOutcome(74, procckpt_code=74), RUN,
+                 (Action.EXIT, ExitReason.STORAGE_FAILED, "")),
+    "no space on a rank, torchrun exits 1": (CycleOutcome(1, procckpt_code=74), RUN,
+                                             (Action.EXIT, ExitReason.STORAGE_FAILED, "")),
+    "the command's own 74": (CycleOutcome(74), RUN, (Action.UNREQUESTED, None, "")),
+    "every checkpoint damaged": (CycleOutcome(65, procckpt_code=65), RUN,
                                  (Action.EXIT, ExitReason.CHECKPOINTS_UNUSABLE, "")),
     "a resume's first batch differs, strict": (
         CycleOutcome(66, audit_refused=True), RUN, (Action.EXIT, ExitReason.AUDIT_REFUSED, "")),
@@ -119,3 +124,10 @@ def test_every_ending_has_an_exit_code_and_each_is_in_the_docs_table():
     # (2: bad input, 127: no such command), which the commands raise before any run.
     unexplained = set(rows) - set(EXIT_CODES.values()) - {2, 127}
     assert not unexplained, f"docs/cli.md says `procckpt run` exits {unexplained}"
+
+
+def test_procckpts_own_code_comes_from_the_ranks_notes_not_the_command():
+    assert procckpt_code([{"rank": 1, "code": 74}], 1) == 74  # torchrun's 1 hides it
+    assert procckpt_code([{"code": 66}, {"code": 74}], 1) == 74  # storage first
+    assert procckpt_code([], 74) is None  # the script's own 74
+    assert procckpt_code(None, 74) == 74 and procckpt_code(None, 3) is None  # no notes at all

@@ -56,6 +56,7 @@ def commit(store: CheckpointStore, engine: str) -> None:
     "import os\nfrom procckpt import Checkpointer\n",
     "from procckpt.state import Checkpointer\n",
     "if True:\n    import procckpt as p\n",
+    "import sys, torch as t, procckpt\n",
 ])
 def test_a_script_importing_procckpt_gets_hooks(tmp_path, store, source):
     write_script(tmp_path, "train.py", source)

@@ -45,6 +45,7 @@ class Cycle:
     rank_fails_at: float | None = None  # a rank reports an exception then; the command runs on
     node_lost_at: float | None = None  # from then the scheduler calls node n2 lost
     no_image: bool = False  # a stop is answered at once with no checkpoint; it runs on
+    noted: int | None = None  # procckpt ended a rank with this code (its note; exits.py)
 
 
 @dataclass
@@ -175,6 +176,10 @@ class FakeEngine(Engine):
 
     def end_cycle(self) -> Confirmation | None:
         return self._confirmation()
+
+    def procckpt_exits(self) -> list[dict[str, object]]:
+        noted = self.world.cycle.noted
+        return [] if noted is None else [{"rank": 1, "code": noted}]
 
     def failures(self) -> list[dict[str, object]]:
         w, c = self.world, self.world.cycle
@@ -325,16 +330,19 @@ def test_the_restart_budget_is_kept(tmp_path: Path):
     assert result.cycles == 3
 
 
-@pytest.mark.parametrize("code, reason, words", [
-    (3, ExitReason.FAILED, "failed with exit code 3"),
-    (137, ExitReason.FAILED, "was killed by signal 9 (SIGKILL)"),
-    (74, ExitReason.STORAGE_FAILED, "is not restarted"),
+@pytest.mark.parametrize("code, noted, reason, words", [
+    (3, None, ExitReason.FAILED, "failed with exit code 3"),
+    (137, None, ExitReason.FAILED, "was killed by signal 9 (SIGKILL)"),
+    (74, 74, ExitReason.STORAGE_FAILED, "is not restarted"),
+    (1, 74, ExitReason.STORAGE_FAILED, "is not restarted"),  # a rank's, through torchrun
+    (74, None, ExitReason.FAILED, "exit code 74 (the command's own code"),
 ])
-def test_a_command_that_ends_by_itself(tmp_path: Path, code: int, reason: ExitReason,
-                                       words: str):
-    _, result, _ = supervise(tmp_path, [Cycle(exits_at=5, code=code)] * 3)
-    assert result.reason is reason and result.exit_code == code and result.cycles == 1
-    assert words in result.message
+def test_a_command_that_ends_by_itself(tmp_path: Path, code: int, noted: int | None,
+                                       reason: ExitReason, words: str):
+    _, result, _ = supervise(tmp_path, [Cycle(exits_at=5, code=code, noted=noted)] * 3)
+    assert result.reason is reason and result.cycles == 1
+    assert result.exit_code == (74 if noted else code)
+    assert words in result.message, result.message
 
 
 def test_no_time_limit_and_no_interval_means_no_request(tmp_path: Path):

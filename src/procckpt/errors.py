@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -107,9 +109,17 @@ class ResumeAuditError(ProcckptError):
 _EXITING: dict[type, type] = {}
 
 
+#: Called with each error :func:`logged_exit` ends a process with: the training side tells
+#: its launcher that procckpt, not the script, chose the exit code (protocol/exits.py).
+exit_listeners: list[Callable[[ProcckptError], None]] = []
+
+
 def logged_exit(error: ProcckptError, logger: logging.Logger | None = None) -> ProcckptError:
     """Log ``error`` as the one line a user reads, and return it as :func:`exiting` does."""
     (logger or logging.getLogger("procckpt")).error("error: %s", error)
+    for listener in exit_listeners:
+        with contextlib.suppress(Exception):  # the error is what matters; the note is a help
+            listener(error)
     return exiting(error)
 
 

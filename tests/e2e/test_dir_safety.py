@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import subprocess
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..harness.processes import (
     start,
     wait_for_line,
 )
+from .test_torchrun import DDP, torchrun
 
 
 @pytest.fixture
@@ -295,6 +297,38 @@ def test_a_full_disk_ends_the_run_at_its_first_failed_background_checkpoint(smal
     assert "Traceback" not in stderr and "is not restarted" in stderr, stderr[-3000:]
     asked = "could not write the checkpoint request" in stderr
     assert asked == (left == 0), stderr[-3000:]
+
+
+def test_a_full_disk_under_torchrun_ends_with_74_and_no_restart_loop(small_tmpfs):
+    """2 gloo ranks under torchrun, periodic checkpoints, --restart-on-failure: the disk fills
+    up. A rank's 74 does not come through torchrun (it exits 1), so the rank leaves a note
+    that procckpt ended it for a lasting storage failure: the run ends with 74, in its first
+    cycle, not in a restart loop of failures."""
+    code, _, stderr, _, _ = filled_after_first_checkpoint(
+        small_tmpfs, ["--interval", "1s", "--restart-on-failure", "--", *torchrun(
+            2, DDP, "--epochs", "40", "--train-size", "512", "--sleep", "0.1")],
+        first_within=120)
+    assert code == 74, stderr[-3000:]
+    assert "is not restarted" in stderr and "restarting in" not in stderr, stderr[-3000:]
+    assert len([e for e in events(small_tmpfs / "ckpt") if e["event"] == "cycle"]) == 1
+    [ended] = [e for e in events(small_tmpfs / "ckpt") if e["event"] == "exit"]
+    assert ended["reason"] == "storage-failed", ended
+
+
+def test_a_commands_own_exit_code_74_is_not_taken_for_procckpts(workdir: Path):
+    """A script that exits 74 itself (its own reason, in its loop): the run ends with its
+    code, said to be the command's own, not as a storage failure of the checkpoint dir."""
+    script = workdir / "own74.py"
+    script.write_text("import sys, torch, procckpt\n"
+                      "ckpt = procckpt.Checkpointer(model=torch.nn.Linear(1, 1))\n"
+                      "for step in ckpt.steps(3):\n"
+                      "    if step == 1:\n        sys.exit(74)\n")
+    res = run([*procckpt_argv(), "run", "--dir", "c", "--", sys.executable, str(script)],
+              cwd=workdir)
+    assert res.returncode == 74, res.stderr[-3000:]
+    assert "storage" not in res.stderr and "(the command's own code" in res.stderr, \
+        res.stderr[-3000:]
+    assert "does not import procckpt" not in res.stderr  # (import sys, torch, procckpt)
 
 
 @needs_setpriv

@@ -16,7 +16,7 @@ from .restart import Decision
 from .results import CycleOutcome, ExitReason
 
 __all__ = ["EXIT_CODES", "Action", "Step", "RunSoFar", "after_cycle", "after_verdict",
-           "after_node_loss", "NO_PROGRESS_CYCLES"]
+           "after_node_loss", "NO_PROGRESS_CYCLES", "procckpt_code", "OWN_EXIT_CODES"]
 
 #: Cycles in a row without a new checkpoint after which a local restart loop gives up.
 NO_PROGRESS_CYCLES = 3
@@ -39,6 +39,22 @@ EXIT_CODES: dict[ExitReason, int | None] = {
     ExitReason.ENDED_EARLY: None,
     ExitReason.INTERRUPTED: None,
 }
+
+
+#: The exit codes procckpt ends a training with, in the order one wins when ranks were ended
+#: with several: storage, then unusable checkpoints, then the audit.
+OWN_EXIT_CODES = (EX_IOERR, EX_DATAERR, EX_AUDIT)
+
+
+def procckpt_code(notes: list[dict[str, object]] | None, exit_code: int) -> int | None:
+    """The exit code procckpt itself ended the command's ranks with, from the notes they left
+    (protocol/exits.py), whatever the command exited with (torchrun: 1); None when procckpt
+    ended none (a 74 of the script's own is the script's). ``notes`` None: the engine could
+    not tell, and the command's exit code is taken for procckpt's where it is one of its."""
+    if notes is None:
+        return exit_code if exit_code in OWN_EXIT_CODES else None
+    codes = {note.get("code") for note in notes}
+    return next((code for code in OWN_EXIT_CODES if code in codes), None)
 
 
 class Action(enum.Enum):
@@ -85,9 +101,9 @@ def after_cycle(outcome: CycleOutcome, run: RunSoFar) -> Step:
         if run.restarts >= run.max_restarts:
             return _exit(ExitReason.HUNG)
         return Step(Action.RESTART, why="hang")
-    if outcome.exit_code == EX_IOERR and not outcome.finished:
+    if outcome.procckpt_code == EX_IOERR and not outcome.finished:
         return _exit(ExitReason.STORAGE_FAILED)  # no space, no permission: would repeat
-    if outcome.exit_code == EX_DATAERR and not outcome.finished:
+    if outcome.procckpt_code == EX_DATAERR and not outcome.finished:
         return _exit(ExitReason.CHECKPOINTS_UNUSABLE)  # a restart would find the same
     if outcome.audit_refused and not outcome.finished:
         return _exit(ExitReason.AUDIT_REFUSED)  # a restart would resume the same way

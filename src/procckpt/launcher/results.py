@@ -61,6 +61,9 @@ class CycleOutcome:
     lost_nodes: list[object] = field(default_factory=list)
     #: A rank stopped because its first batch after a resume differed (--audit strict).
     audit_refused: bool = False
+    #: The exit code procckpt itself ended the command (a rank of it) with: 65, 66, 74 (or
+    #: None: the command's code is its own). Under torchrun a rank's code comes through here.
+    procckpt_code: int | None = None
 
     @property
     def stop_text(self) -> str:

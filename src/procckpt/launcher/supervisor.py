@@ -27,7 +27,16 @@ from . import pid1
 from .child import Child
 from .config import RunConfig
 from .deadline import Deadline
-from .decide import Action, RunSoFar, Step, after_cycle, after_node_loss, after_verdict
+from .decide import (
+    OWN_EXIT_CODES,
+    Action,
+    RunSoFar,
+    Step,
+    after_cycle,
+    after_node_loss,
+    after_verdict,
+    procckpt_code,
+)
 from .engines import Engine
 from .engines.choice import imports_procckpt
 from .hang import HangWatch, dump_stacks
@@ -239,8 +248,8 @@ class Supervisor(RunLoop):
         if outcome.finished or outcome.confirmed is not None or outcome.forwarded \
                 or outcome.audit_refused:
             return []
-        if outcome.hung or outcome.stop_cause is not None \
-                or outcome.exit_code not in (0, EX_IOERR, EX_DATAERR):
+        if outcome.hung or outcome.stop_cause is not None or (
+                outcome.exit_code != 0 and outcome.procckpt_code not in (EX_IOERR, EX_DATAERR)):
             # A stop a signal asked for ended the cycle whatever a silent launcher elsewhere
             # means (one that never started, say): the signal is what the end is said of.
             return self._find_lost_nodes(silent=outcome.stop_cause is not StopCause.SIGNAL)
@@ -314,8 +323,10 @@ class Supervisor(RunLoop):
                 f"restart{'' if restarts == 1 else 's'} in this launch)"
                 if self.config.restart_on_failure
                 else ", not restarted (see --restart-on-failure)")
+        own = (f" (the command's own code: procckpt's {code} would have said why above)"
+               if code in OWN_EXIT_CODES and outcome.procckpt_code is None else "")
         return self._exit(ExitReason.FAILED, command_code=code, message=
-                          f"the command {ended}{hint}; running the same command again "
+                          f"the command {ended}{own}{hint}; running the same command again "
                           f"{resumes_from(self.store, verb='resumes')}", error=True)
 
     def _sleep(self, seconds: float) -> list[int]:
@@ -416,7 +427,8 @@ class Supervisor(RunLoop):
                                                signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and (complete or {}).get("token") in (token, None)
-        outcome.audit_refused = outcome.exit_code == EX_AUDIT or any(
+        outcome.procckpt_code = procckpt_code(self.engine.procckpt_exits(), outcome.exit_code)
+        outcome.audit_refused = outcome.procckpt_code == EX_AUDIT or any(
             str(f.get("error", "")).startswith(ctl.AUDIT_REFUSED) for f in self.engine.failures())
         outcome.lost_nodes = self._lost_nodes(outcome)
         if self.board is not None:

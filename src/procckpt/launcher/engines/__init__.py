@@ -84,6 +84,12 @@ class Engine:
         """What the ranks an exception ended in this cycle said (rank, host, error)."""
         return []
 
+    def procckpt_exits(self) -> list[dict[str, Any]] | None:
+        """The ranks procckpt itself ended in this cycle, with its exit code (rank, code,
+        error: protocol/exits.py); read after :meth:`end_cycle`. None: the engine could not
+        tell (then the command's exit code is taken for procckpt's where it is one of its)."""
+        return []
+
     @property
     def stuck(self) -> str | None:
         """Why no snapshot of this command will ever complete (a failure that repeats), once

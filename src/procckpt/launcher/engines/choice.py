@@ -43,8 +43,8 @@ __all__ = ["EngineChoice", "choose_engine", "cuda_visible", "imports_procckpt"]
 
 logger = logging.getLogger(__name__)
 
-_IMPORT_RE = re.compile(r"^\s*(?:import\s+procckpt\b|from\s+procckpt(?:\.\w+)*\s+import\b)",
-                        re.MULTILINE)
+_IMPORT_RE = re.compile(r"^\s*(?:import\s+(?:[\w.]+(?:\s+as\s+\w+)?\s*,\s*)*procckpt\b"
+                        r"|from\s+procckpt(?:\.\w+)*\s+import\b)", re.MULTILINE)
 _SCRIPT_LIMIT = 4 << 20
 #: Seconds the DMTCP probe may take (a hung fork never ends by itself).
 PROBE_TIMEOUT = 30.0

@@ -16,7 +16,7 @@ from pathlib import Path
 from ...errors import EX_TEMPFAIL, ProcckptError
 from ...protocol import control as ctl
 from ...store.remote import split_location
-from .failures import report_through
+from .failures import note_exits, report_through
 
 __all__ = ["LaunchContext", "DEFAULT_DIR", "default_dir", "force_requested", "open_control"]
 
@@ -118,9 +118,10 @@ def force_requested() -> bool:
 
 def open_control(control_dir: Path, token: str | None, rank: int) -> ctl.ControlChannel | None:
     """The control channel of a launched run (None outside ``procckpt run``), with this rank's
-    uncaught exceptions reported through it (failures.py)."""
+    uncaught exceptions reported through it, and procckpt's own exits noted (failures.py)."""
     if not token:
         return None
     control = ctl.ControlChannel(control_dir, token)
     report_through(control, rank)
+    note_exits(rank)
     return control

@@ -14,9 +14,11 @@ import contextlib
 import sys
 from types import TracebackType
 
+from ... import errors
 from ...protocol import control as ctl
+from ...protocol.exits import leave_exit_note
 
-__all__ = ["report_through"]
+__all__ = ["report_through", "note_exits"]
 
 #: The channel and rank of the newest Checkpointer of this process, and the hook replaced.
 _current: tuple[ctl.ControlChannel, int] | None = None
@@ -40,3 +42,21 @@ def report_through(control: ctl.ControlChannel, rank: int) -> None:
     if sys.excepthook is not _report:
         _previous = sys.excepthook
         sys.excepthook = _report
+
+
+#: The rank whose exits procckpt notes (None: no listener installed yet).
+_noted_rank: int | None = None
+
+
+def _note(error: errors.ProcckptError) -> None:
+    if _noted_rank is not None:
+        leave_exit_note(_noted_rank, error.exit_code, str(error))
+
+
+def note_exits(rank: int) -> None:
+    """From now on, an error procckpt ends this rank with leaves a note for the launcher
+    (protocol/exits.py): its exit code is procckpt's, not the script's."""
+    global _noted_rank
+    _noted_rank = rank
+    if _note not in errors.exit_listeners:
+        errors.exit_listeners.append(_note)
