@@ -128,29 +128,39 @@ def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path
     assert report.returncode == 0 and (local / "report.html").is_file(), report.stderr
 
 
+@pytest.mark.parametrize("damaged", ["object", "manifest"])
 def test_a_new_node_resumes_from_s3_falling_back_past_a_damaged_checkpoint(workdir: Path,
-                                                                           endpoint):
-    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/node"}
+                                                                           endpoint, damaged):
+    """The newest checkpoint's payload object is overwritten with zeros, or its manifest's
+    CRC-32 for it changed (still valid JSON): a new node sets it aside, saying which and why,
+    and resumes from the one before, in the same start."""
+    env = {**s3_env(endpoint), "PROCCKPT_DIR": f"s3://{BUCKET}/{damaged}"}
     first = run([PYTHON, str(SCRIPT), "--epochs", "3"], cwd=workdir,
                 env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-a")})
     assert first.returncode == 0, first.stderr[-3000:]
-    remote = manifests(endpoint, "node")
+    remote = manifests(endpoint, damaged)
     assert sorted(remote) == ["ckpt-00000002", "ckpt-00000003"]
     s3 = client(endpoint)
-    state = remote["ckpt-00000003"]["objects"]["state.pt"]
-    algo, hexdigest = state.split(":")
-    s3.put_object(Bucket=BUCKET, Key=f"node/chunks/{algo}/{hexdigest[:2]}/{hexdigest}",
-                  Body=b"\0" * remote["ckpt-00000003"]["files"]["state.pt"]["bytes"])
-    s3.delete_object(Bucket=BUCKET, Key="node/COMPLETE")  # train on: 2 more epochs
+    newest = remote["ckpt-00000003"]
+    if damaged == "object":
+        algo, hexdigest = newest["objects"]["state.pt"].split(":")
+        s3.put_object(Bucket=BUCKET, Key=f"{damaged}/chunks/{algo}/{hexdigest[:2]}/{hexdigest}",
+                      Body=b"\0" * newest["files"]["state.pt"]["bytes"])
+    else:
+        newest["files"]["state.pt"]["crc32"] ^= 1
+        s3.put_object(Bucket=BUCKET, Key=f"{damaged}/checkpoints/ckpt-00000003/MANIFEST.json",
+                      Body=json.dumps(newest).encode())
+    s3.delete_object(Bucket=BUCKET, Key=f"{damaged}/COMPLETE")  # train on: 2 more epochs
 
     out = workdir / "out.pt"
     second = run([PYTHON, str(SCRIPT), "--epochs", "4", "--out", str(out)], cwd=workdir,
                  env={**env, "PROCCKPT_LOCAL_DIR": str(workdir / "node-b")})
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "ckpt-00000003 set aside: object" in second.stderr, second.stderr[-3000:]
+    why = "object" if damaged == "object" else "its manifest is damaged: it says state.pt has"
+    assert f"ckpt-00000003 set aside: {why}" in second.stderr, second.stderr[-3000:]
     assert "resumed from ckpt-00000002" in second.stderr, second.stderr[-3000:]
     assert_bit_identical(reference(workdir, "--epochs", "4"), out)
-    assert "ckpt-00000003.corrupt" in manifests(endpoint, "node")
+    assert "ckpt-00000003.corrupt" in manifests(endpoint, damaged)
 
 
 def test_a_sigkill_during_an_upload_leaves_the_last_committed_and_nothing_after(workdir: Path,

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import CheckpointCorruptError, StorageError, UsageError
 from .chunks import ChunkStore, file_digest, is_chunk_id
-from .files import fsync_dir, read_small_file
+from .files import file_crc32, fsync_dir, read_small_file
 from .manifest import MANIFEST, CheckpointInfo
 
 __all__ = ["S3Tier", "split_location", "marked_remote", "ENV_LOCAL", "ENV_UPLOAD_PAUSE"]
@@ -204,6 +204,8 @@ class S3Tier:
                 problems = [p for p in pool.map(self._download, jobs) if p]
             if problems:
                 return problems[0]
+            if (problem := _files_against(manifest, tmp)) is not None:
+                return problem
             local = {k: v for k, v in manifest.items() if k != "objects"}
             (tmp / MANIFEST).write_text(json.dumps(local, indent=1, sort_keys=True))
             fsync_dir(tmp)
@@ -430,3 +432,22 @@ class S3Tier:
         for start in range(0, len(keys), 1000):
             self._client.delete_objects(Bucket=self.bucket, Delete={
                 "Objects": [{"Key": k} for k in keys[start:start + 1000]], "Quiet": True})
+
+
+def _files_against(manifest: dict[str, Any], folder: Path) -> str | None:
+    """Why the files fetched into ``folder`` do not match what ``manifest`` says of them (their
+    sizes and CRC-32s), or None. Each matched its object's hash: a mismatch here is the
+    manifest's, not the objects' (a field edited or damaged), and its checkpoint cannot be
+    verified when it loads."""
+    for name, expect in sorted((manifest.get("files") or {}).items()):
+        try:
+            crc, size = file_crc32(folder / name)
+        except OSError as e:
+            return f"its file {name} cannot be read after the fetch ({e.strerror or e})"
+        if not isinstance(expect, dict) or expect.get("bytes") != size \
+                or expect.get("crc32") != crc:
+            return (f"its manifest is damaged: it says {name} has "
+                    f"{expect.get('bytes') if isinstance(expect, dict) else '?'} bytes and "
+                    f"CRC-32 {expect.get('crc32') if isinstance(expect, dict) else '?'}, but "
+                    f"the object that matches its hash has {size} bytes and CRC-32 {crc}")
+    return None
