@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..conftest import procckpt_argv, run
-from ..harness.processes import TINY
+from ..harness.processes import TINY, events
 
 
 def test_exit_code_is_the_commands(workdir: Path):
@@ -29,6 +29,25 @@ def test_crash_is_not_restarted_unless_asked(workdir: Path):
                   cwd=workdir)
     assert retried.returncode == 0, retried.stderr
     assert "restart 1" in retried.stdout and "done" in retried.stdout
+
+
+def test_a_restart_after_a_crash_is_timed_phase_by_phase(workdir: Path):
+    """A crash at step 12, restarted by --restart-on-failure: the resumed training journals
+    where the time from the crash seen to its first resumed step went, and procckpt status
+    shows it. The phases add up to the whole."""
+    done = run([*procckpt_argv(), "run", "--dir", "b", "--restart-on-failure", "--",
+                *TINY, "--epochs", "2", "--save-every", "1", "--fail-at-step", "12"],
+               cwd=workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [recovery] = events(workdir / "b", "recovery")
+    phases = ("backoff", "spawn", "imports", "checkpointer", "restore", "first_step")
+    assert all(recovery[p] >= 0 for p in phases), recovery
+    assert recovery["backoff"] >= 2.0  # the first back-off after a failure
+    assert recovery["imports"] > recovery["restore"]  # python and torch, not the small state
+    assert abs(sum(recovery[p] for p in phases) - recovery["total"]) < 0.1, recovery
+    status = run([*procckpt_argv(), "status", "b"], cwd=workdir)
+    assert "last restart: " in status.stdout and "from the end of the cycle before to the " \
+        "end of the first resumed step: back-off 2." in status.stdout, status.stdout
 
 
 def test_restart_count_reaches_the_command(workdir: Path):

@@ -40,6 +40,8 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
         "goodput": goodput.as_json() if goodput is not None else None,
         "launches": _count(history, "start"), "restarts": _restarts(history),
         "hangs": _count(history, "hang"),
+        "last_recovery": next((e for e in reversed(history) if e.get("event") == "recovery"),
+                              None),
         "audits": [{k: e.get(k) for k in ("checkpoint", "epoch", "batch", "step", "verdict")}
                    for e in history if e.get("event") == "audit"],
         "checkpoints": _checkpoints(store, history, verify),
@@ -111,6 +113,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
             line += (f"; {skip.get('batches')} batches passed over in "
                      f"{skip.get('seconds', 0):.2f}s ({str(skip.get('how', '?')).split(' (')[0]})")
         lines.append(line)
+    if (recovery := recovery_line(history)) is not None:
+        lines.append(recovery)
     if (audits := audit_line(history)) is not None:
         lines.append(audits)
     period = next((e for e in reversed(history) if e.get("event") == "interval"), None)
@@ -133,6 +137,32 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
 LABELS = {"training": "training", "startup": "startup", "restore": "restore",
           "replay": "replay", "checkpoint_stall": "checkpoint stalls", "lost": "lost work",
           "idle": "idle", "queue": "queued"}
+
+
+#: A restart's phases, in order, as the training journals them (training/link/timing.py).
+RECOVERY_PHASES = (("backoff", "back-off"), ("spawn", "start"), ("imports", "imports and model"),
+                   ("spawn_and_imports", "start, imports and model"),
+                   ("checkpointer", "Checkpointer"), ("restore", "restore"),
+                   ("first_step", "first step"))
+
+
+def recovery_line(history: list[dict[str, Any]]) -> str | None:
+    """Where the time of the last restart went, from the end of the cycle before to the end
+    of the first resumed step: 'last restart: 5.70s to the first resumed step: back-off
+    2.00s, start 0.30s, ...'; None before any restart was timed."""
+    last = next((e for e in reversed(history) if e.get("event") == "recovery"), None)
+    if last is None or not isinstance(last.get("total"), (int, float)):
+        return None
+    parts = []
+    for key, name in RECOVERY_PHASES:
+        seconds = last.get(key)
+        if isinstance(seconds, (int, float)):
+            restored = last.get("bytes")
+            more = f" ({format_size(restored)})" if key == "restore" and \
+                isinstance(restored, int) else ""
+            parts.append(f"{name} {seconds:.2f}s{more}")
+    return (f"last restart: {last['total']:.2f}s from the end of the cycle before to the end "
+            f"of the first resumed step: {', '.join(parts)}")
 
 
 def audit_line(history: list[dict[str, Any]]) -> str | None:

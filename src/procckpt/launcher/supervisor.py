@@ -9,6 +9,7 @@ says whether to restart here, requeue, or exit. Signals reach the loop through a
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -105,6 +106,9 @@ class Supervisor(RunLoop):
         self._last_failure: int | None = None  # the newest checkpoint's step at the last
         self._same_failures = 0  # failures in a row from there, and their exit codes:
         self._failure_codes: list[int] = []
+        #: Wall-clock time the last cycle's command was seen to end: the next cycle's
+        #: recovery is timed from there (training/link/timing.py).
+        self._cycle_ended: float | None = None
         #: A run on several nodes, each with its launcher: this one, node 0's, leads.
         self.board = LeaderBoard(store.control_dir, config.nodes) if config.nodes > 1 else None
 
@@ -379,6 +383,9 @@ class Supervisor(RunLoop):
                     ctl.ENV_RESTART: str(restart_number(self.store, restarts)),
                     ctl.ENV_CYCLE: str(self.cycles), ctl.ENV_ENGINE: self.engine.name,
                     ctl.ENV_AUDIT: self.config.audit})
+        env.pop(ctl.ENV_RECOVERY, None)
+        if self._cycle_ended is not None:  # a restart here: its phases are timed from the end
+            env[ctl.ENV_RECOVERY] = json.dumps({"seen": self._cycle_ended, "spawned": time.time()})
         if self.board is not None:  # the other nodes start their part with the same env
             self.board.running(token, self.cycles, {
                 k: env[k] for k in (*engine_env, ctl.ENV_DIR, ctl.ENV_RESTART, ctl.ENV_CYCLE,
@@ -412,6 +419,7 @@ class Supervisor(RunLoop):
                            unheard_peers=self.board.unheard if self.board else None)
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
+        self._cycle_ended = time.time()  # (the command's exit was seen just now)
         self._carried_signals = watch.carried
         outcome.connected = outcome.connected or self.engine.connected()
         final = self.engine.end_cycle()

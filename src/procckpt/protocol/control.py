@@ -45,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
-           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "CHECK_UNSAVED", "keep_unsaved_advice",
+           "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "ENV_RECOVERY", "CHECK_UNSAVED",
+           "keep_unsaved_advice",
            "STACK_DUMP_SIGNAL", "ENV_AUDIT", "AUDIT_MODES", "AUDIT_REFUSED"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
@@ -54,6 +55,9 @@ ENV_RESTART = "PROCCKPT_RESTART"
 ENV_CYCLE = "PROCCKPT_CYCLE"
 ENV_ENGINE = "PROCCKPT_ENGINE_IN_USE"  # the engine procckpt run checkpoints the command with
 ENV_STOP_EXIT = "PROCCKPT_STOP_EXIT_CODE"
+#: JSON, in a cycle started after a failure: when the launcher saw it fail ("seen") and when
+#: it started this command ("spawned"), wall-clock (training/link/timing.py).
+ENV_RECOVERY = "PROCCKPT_RECOVERY"
 #: Set by ``procckpt check`` for its runs (JSON: where to stop, where to end, the trace).
 ENV_CHECK = "PROCCKPT_CHECK"
 #: In its traces: the parts that hold what the script keeps and no checkpoint does.

@@ -176,7 +176,8 @@ class Checkpointer:
                 with self._liveness.working():
                     self.resumed_from = self._resume()
                 self._liveness.step = self.step
-                self._timer.ready(self.restore_seconds)
+                self._timer.ready(self.restore_seconds, None if self.resumed_from is None
+                                  else self.resumed_from.nbytes)
             except BaseException:
                 self.close()  # a refused checkpoint must not leave the dir locked by a dead object
                 raise
