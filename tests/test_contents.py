@@ -106,3 +106,30 @@ def test_a_tensor_is_read_in_place_or_in_bounded_pieces(monkeypatch):
     monkeypatch.setattr(torch, "empty", counted_empty)
     fingerprint(torch.randn(400, 30)[:, ::2])
     assert copies and max(copies) <= 64  # never the whole tensor
+
+
+def test_the_state_a_first_step_starts_from_is_compared_tensor_by_tensor():
+    """state/first_step.py: weights changed after the restore are named; a model cast to
+    another dtype after it (model.half() after the Checkpointer) is no difference; a
+    framework's step counter is compared by value."""
+    from procckpt.training.state.first_step import StateExpectation, live_state, restored_state
+
+    model = torch.nn.Linear(3, 2)
+    statefuls = {"model": model, "scheduler": object()}
+    prints, counters, advice = restored_state(statefuls, {})
+    expectation = StateExpectation(prints, lambda: live_state(statefuls), "do this", counters)
+    assert expectation.problem("ckpt-00000001", 4) is None
+    with torch.no_grad():
+        model.bias.add_(1)
+    problem = expectation.problem("ckpt-00000001", 4)
+    assert problem is not None and problem.startswith("the state step 5 starts from is not the "
+                                                      "one it resumed from: 1 of 2 tensors")
+    assert "(model.bias)" in problem and problem.endswith("Do this")
+    model.half()  # cast: the fingerprints cannot be compared, and say nothing
+    assert expectation.problem("ckpt-00000001", 4) is None
+    steps = {"global_step": 0}
+    counter = StateExpectation({"global_step": (7, "counter")}, lambda: steps, "pass it",
+                               frozenset({"global_step"}))
+    assert "global_step is 0, not 7" in (counter.problem("ckpt-00000001", 7) or "")
+    steps["global_step"] = 7
+    assert counter.problem("ckpt-00000001", 7) is None

@@ -228,7 +228,7 @@ def _audit_the_step_counter(ckpt: Checkpointer, state: Any) -> None:
         return  # not a checkpoint the Trainer wrote: nothing to compare
     if isinstance(saved, int):
         ckpt._audit.expect_state(StateExpectation(
-            {"global_step": saved}, lambda: {"global_step": state.global_step},
+            {"global_step": (saved, "counter")}, lambda: {"global_step": state.global_step},
             "the Trainer did not load the checkpoint: pass resume_from_checkpoint="
             "cb.resume_from to trainer.train() (a ProcckptCallback cb)",
             frozenset({"global_step"})))
