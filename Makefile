@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: demo test unit lint bench gpu-check venv clean
+.PHONY: demo test test-quick unit lint bench gpu-check venv clean
 
 venv: $(VENV)/.installed
 
@@ -19,6 +19,11 @@ demo: venv
 
 test: venv lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) tests
+
+# One end-to-end test of each capability (tests/quick.txt), with the unit tests: a few
+# minutes, for a contributor who changed one thing (tests/README.md).
+test-quick: venv lint
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -m "unit or quick" -q -p no:cacheprovider -n 2 $(PYTEST_ARGS) tests
 
 # The unit tests alone (tests/README.md): under a minute, for the edit-test loop.
 unit: venv lint

@@ -30,6 +30,24 @@ os.environ.setdefault("PROCCKPT_AUDIT", "strict")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+QUICK = Path(__file__).parent / "quick.txt"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``quick`` the tests tests/quick.txt names (``make test-quick``); under ``-m quick``
+    a line that names no collected test is an error, so the list cannot drift silently."""
+    wanted = {line.strip() for line in QUICK.read_text().splitlines()
+              if line.strip() and not line.startswith("#")}
+    found = set()
+    for item in items:
+        if item.nodeid in wanted:
+            item.add_marker(pytest.mark.quick)
+            found.add(item.nodeid)
+    if "quick" in (config.getoption("markexpr", "") or "") and wanted - found:
+        raise pytest.UsageError(f"tests/quick.txt names tests that do not exist: "
+                                f"{sorted(wanted - found)}")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Under ``--dist loadgroup``, fail a test of an ``xdist_group`` that pytest-xdist could not
