@@ -312,7 +312,7 @@ def test_a_full_disk_under_torchrun_ends_with_74_and_no_restart_loop(small_tmpfs
     assert "is not restarted" in stderr and "restarting in" not in stderr, stderr[-3000:]
     assert len([e for e in events(small_tmpfs / "ckpt") if e["event"] == "cycle"]) == 1
     [ended] = [e for e in events(small_tmpfs / "ckpt") if e["event"] == "exit"]
-    assert ended["reason"] == "storage-failed", ended
+    assert (ended["reason"], ended["by"]) == ("storage-failed", "procckpt"), ended
 
 
 def test_a_commands_own_exit_code_74_is_not_taken_for_procckpts(workdir: Path):
@@ -329,6 +329,9 @@ def test_a_commands_own_exit_code_74_is_not_taken_for_procckpts(workdir: Path):
     assert "storage" not in res.stderr and "(the command's own code" in res.stderr, \
         res.stderr[-3000:]
     assert "does not import procckpt" not in res.stderr  # (import sys, torch, procckpt)
+    status = run([*procckpt_argv(), "status", "c"], cwd=workdir)
+    assert "state:          not running (last exit: 74, the command's own)" in status.stdout, \
+        status.stdout
 
 
 @needs_setpriv

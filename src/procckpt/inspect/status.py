@@ -49,6 +49,30 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
     }
 
 
+def _state(store: CheckpointStore, complete: dict[str, Any] | None,
+           holder: dict[str, Any] | None, history: list[dict[str, Any]], now: float) -> str:
+    """'finished 5m ago (step 400)', 'running (pid 7 on n1)', or 'not running' and how the
+    last launch ended."""
+    if complete:
+        step = f" (step {complete['step']})" if complete.get("step") is not None else ""
+        return f"finished {format_duration(now - complete.get('time', now))} ago{step}"
+    if holder:
+        return f"running (pid {holder.get('pid')} on {holder.get('host')})"
+    return "not running" + ("" if (store.root / "lock").exists() else " (never run)") + \
+        _last_exit(history)
+
+
+def _last_exit(history: list[dict[str, Any]]) -> str:
+    """How the last launch ended, and whose exit code that was: ' (last exit: 74, procckpt's:
+    storage-failed)' or ' (last exit: 74, the command's own)'; '' before any."""
+    ended = next((e for e in reversed(history) if e.get("event") == "exit"), None)
+    if ended is None or "by" not in ended:
+        return ""
+    whose = f"procckpt's: {ended.get('reason')}" if ended["by"] == "procckpt" else \
+        "the command's own"
+    return f" (last exit: {ended.get('code')}, {whose})"
+
+
 def _restarts(history: list[dict[str, Any]]) -> int:
     """How often the training was started again, as its log counts them ("restart 3"): by
     this launcher, by a requeue or by a rerun of the command."""
@@ -66,16 +90,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         lines.append(f"remote:         {_remote_line(store)}")
     complete = store.completion()
     holder = _holder(store)
-    if complete:
-        step = f" (step {complete['step']})" if complete.get("step") is not None else ""
-        lines.append(f"state:          finished {format_duration(now - complete.get('time', now))}"
-                     f" ago{step}")
-    elif holder:
-        lines.append(f"state:          running (pid {holder.get('pid')} on {holder.get('host')})")
-    else:
-        lines.append("state:          not running" + ("" if (store.root / "lock").exists()
-                                                      else " (never run)"))
     history = list(read_events(store.events_path))
+    lines.append(f"state:          {_state(store, complete, holder, history, now)}")
     goodput = compute_goodput(history, now=now if holder and not complete else None)
     if goodput is not None and goodput.wall > 0:
         lines += _goodput_lines(goodput)

@@ -357,7 +357,9 @@ class Supervisor(RunLoop):
         if self.board is not None:
             self.board.exited(result.exit_code, message)
         append_event(self.store.events_path, "exit", code=result.exit_code, reason=reason.value,
-                     message=message, cycles=self.cycles)
+                     message=message, cycles=self.cycles, by="command" if reason in (
+                         ExitReason.FAILED, ExitReason.INTERRUPTED, ExitReason.ENDED_EARLY)
+                     else "procckpt")
         return result
 
     def _latest_step(self) -> int | None:
