@@ -88,7 +88,9 @@ class _Hasher:
         self._visited += 1
         if isinstance(value, torch.Tensor):
             return self.tensor(value, crc)
-        if value is None or isinstance(value, (str, bytes, bool, int, float, complex)):
+        if isinstance(value, (bytes, bytearray)):  # (an encoded image: its bytes, no repr)
+            return crc32(value, zlib.crc32(f"bytes{len(value)}".encode(), crc))
+        if value is None or isinstance(value, (str, bool, int, float, complex)):
             return zlib.crc32(repr(value).encode(), crc)
         if isinstance(value, enum.Enum):
             return zlib.crc32(f"{type(value).__qualname__}.{value.name}".encode(), crc)
