@@ -36,8 +36,9 @@ class CycleTimer:
         if self.journal is None:
             return
         self._marks.append(time.monotonic())
+        ready = time.time()  # (the same moment: the journal's write below is no phase)
         append_event(self.journal, "ready", restore=round(restore_seconds or 0.0, 4))
-        self._recovery = _recovery_start(self._created, restore_seconds, restored_bytes)
+        self._recovery = _recovery_start(self._created, ready, restore_seconds, restored_bytes)
 
     def at_safe_point(self, now: float) -> None:
         """Called at every safe point; cheap once the first two steps are measured."""
@@ -56,7 +57,7 @@ class CycleTimer:
                          second=round(second - first, 4))
 
 
-def _recovery_start(created: float, restore: float | None, nbytes: int | None,
+def _recovery_start(created: float, now: float, restore: float | None, nbytes: int | None,
                     ) -> dict[str, Any] | None:
     """The phases up to the Checkpointer's readiness, from the launcher's times in the
     environment and this process's own; None outside a restart after a failure."""
@@ -65,7 +66,7 @@ def _recovery_start(created: float, restore: float | None, nbytes: int | None,
         seen, spawned = float(launcher["seen"]), float(launcher["spawned"])
     except (ValueError, KeyError, TypeError):
         return None
-    now, restore = time.time(), restore or 0.0
+    restore = restore or 0.0
     started = process_started()
     phases: dict[str, Any] = {"seen_at": seen, "backoff": round(spawned - seen, 4)}
     if started is not None and spawned - 0.02 <= started <= created:  # (to a tick or two)
