@@ -40,6 +40,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn
 
 from ..errors import UsageError
@@ -49,6 +50,7 @@ from ..store.completion import AUDIT_DIR  # beside checkpoints/; --force archive
 from ..store.files import write_file_atomic
 from .state import contents
 from .state.first_step import StateExpectation
+from .unsaved import iterators_held
 
 __all__ = ["BatchAudit", "fingerprint", "audit_mode", "ENV_AUDIT", "AUDIT_MODES", "AUDIT_DIR"]
 
@@ -159,8 +161,8 @@ class BatchAudit:
         self._inputs = None
         if progress.remapped:  # another split of the data: no batch comparable
             self._settle(None)
-        if self._expected is None and self._state is None and progress.remapped:
-            return iterator
+            if self._state is None:
+                return iterator
         self._live = _AuditedPass(iterator, self, progress)
         return self._live
 
@@ -172,15 +174,14 @@ class BatchAudit:
         if self.on:
             self._live, self._inputs, self._steps_alone = None, inputs, alone
 
-    def step_starts(self, key: Key, iterators: Callable[[], list[str]] | None = None) -> None:
+    def step_starts(self, key: Key, loop: FrameType | None = None) -> None:
         """A step of ``steps()`` starts at ``key``: the first after a resume is compared, the
-        first after a checkpoint at an epoch's end recorded. ``iterators()``: the iterators
-        the script's loop holds (it draws its batches from them, unseen by the audit)."""
+        first after a checkpoint at an epoch's end recorded. ``loop``: the script's frame that
+        runs the loop; an iterator it holds is where it draws its batches from, unseen."""
         if self._inputs is None:
             return
         if self._expected is not None or self._state is not None:
-            held = iterators() if iterators is not None else []
-            self._check(key, self._inputs(), held)
+            self._check(key, self._inputs(), iterators_held(loop))
         if key == self._pending:
             self._record(key, self._inputs())
 
@@ -338,7 +339,7 @@ class BatchAudit:
         elif mine:
             verdict = "refused" if refused else "differs"
         if expected is not None or state_differs:
-            self._settle(verdict or "differs", _Expected(checkpoint, key, None), key,
+            self._settle(verdict or "differs", checkpoint, key,
                          state="differs" if state_differs else (None if state is None
                                                                 else "same"), why=why)
         if why and not mine:
@@ -394,14 +395,14 @@ class BatchAudit:
             f"was about to train on{which} (CRC-32 {seen.crc:08x}, {seen.what}; it had "
             f"{expected.recorded['crc']:08x}{f', {was}' if was else ''})"), None
 
-    def _settle(self, verdict: str | None, expected: _Expected | None = None,
+    def _settle(self, verdict: str | None, checkpoint: str | None = None,
                 key: Key | None = None, state: str | None = None,
                 why: str | None = None) -> None:
         self._expected = None
         self.verdict = verdict
-        if verdict is None or expected is None or key is None or self._journal is None:
+        if verdict is None or checkpoint is None or key is None or self._journal is None:
             return
-        append_event(self._journal, "audit", checkpoint=expected.checkpoint, epoch=key[0],
+        append_event(self._journal, "audit", checkpoint=checkpoint, epoch=key[0],
                      batch=key[1], step=key[2], verdict=verdict,
                      **({"state": state} if state else {}), **({"why": why} if why else {}))
 

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 from ..errors import ProcckptError, UsageError, logged_exit
 from .accumulation import window_ended
 from .position.rng import capture_rng
-from .unsaved import iterators_held
 
 __all__ = ["epochs", "batches", "steps", "last_batch"]
 
@@ -135,10 +134,6 @@ def _handed_out_its_last(loader: Any) -> bool:
     return getattr(loader, "end_of_dataloader", False) is True
 
 
-def _iterators_of(frame: Any) -> Any:
-    return lambda: iterators_held(frame)
-
-
 def step_inputs(ck: Any) -> dict[str, Any]:
     """What a step of ``steps()`` starts from, beside its number: the random streams it draws
     its data with (Python's and torch's CPU one: NumPy's and CUDA's exist in one process and
@@ -164,7 +159,7 @@ def steps(ck: Any, total: int) -> Iterator[int]:
         return
     for number in numbers:
         # (the frame that runs the loop: its iterators, if it draws its data from one)
-        ck._audit.step_starts(progress.position, _iterators_of(sys._getframe(1)))
+        ck._audit.step_starts(progress.position, sys._getframe(1))
         ck._in_batch = True
         try:
             yield number

@@ -25,11 +25,11 @@ class CycleTimer:
     resumed step. Nothing is journalled when ``journal`` is None (another rank, or a script
     run without the launcher)."""
 
-    def __init__(self, journal: Path | None, created: float | None = None) -> None:
+    def __init__(self, journal: Path | None) -> None:
         self.journal = journal
         self._marks: list[float] = []
-        #: Wall-clock time the Checkpointer began to be made (its imports were done by then).
-        self._created = created if created is not None else time.time()
+        #: Wall-clock time the Checkpointer made this (the script's imports were done by then).
+        self._created = time.time()
         self._recovery: dict[str, Any] | None = None
 
     def ready(self, restore_seconds: float | None, restored_bytes: int | None = None) -> None:
