@@ -241,20 +241,30 @@ def test_a_manifest_with_bad_chunks_is_refused(chunks, problem):
 
 
 def test_a_chunk_that_is_not_there_as_itself_says_what_it_is_instead(tmp_path):
-    """A chunk replaced by a link to an identical copy is refused (procckpt follows no link
-    in its dir), and says it is a link; it read 'missing or has the wrong size'."""
+    """A chunk replaced by a link: nothing is read through it; a link to the chunk's own
+    bytes is replaced by a copy of them (its checkpoints stay usable), one to other bytes or
+    to a pipe is named as a link (it read 'missing or has the wrong size')."""
     store = ChunkStore(tmp_path / "chunks")
     data = memoryview(os.urandom(1 << 16))
     chunk_id, _ = store.put(data)
     path = store.path(chunk_id)
-    copy = tmp_path / "copy"
+    copy, other, pipe = tmp_path / "copy", tmp_path / "other", tmp_path / "pipe"
     copy.write_bytes(bytes(data))
+    other.write_bytes(os.urandom(len(data)))
+    os.mkfifo(pipe)
     assert store.problem({chunk_id: len(data)}, hash_them=False) is None
     assert store.problem({chunk_id: len(data) + 1}, hash_them=False) == \
         f"chunk {chunk_id} has {len(data)} bytes, the manifest says {len(data) + 1}"
+    for target in (other, pipe):
+        path.unlink()
+        path.symlink_to(target)
+        problem = store.problem({chunk_id: len(data)}, hash_them=False) or ""
+        assert problem.startswith(f"chunk {chunk_id} is a link ({path} -> {target}) to "
+                                  "other bytes than the chunk's"), problem
+        assert path.is_symlink() and not list(store.root.glob(".tmp-*"))
     path.unlink()
     path.symlink_to(copy)
-    problem = store.problem({chunk_id: len(data)}, hash_them=False) or ""
-    assert problem.startswith(f"chunk {chunk_id} is a link ({path} -> {copy})"), problem
+    assert store.problem({chunk_id: len(data)}, hash_them=True) is None
+    assert not path.is_symlink() and path.read_bytes() == bytes(data) and copy.exists()
     path.unlink()
     assert store.problem({chunk_id: len(data)}, hash_them=False) == f"chunk {chunk_id} is missing"

@@ -20,11 +20,13 @@ from ..harness.processes import stopped_once
 from .test_frameworks import events
 
 SCRIPT = EXAMPLES / "finetune_frozen.py"
-#: 160 steps of 0.12 s alone; under torchrun 96 a rank of 0.25 s (its start is slower on a
-#: loaded machine, so its cycles are longer): more than two cycles either way.
-RUNS = {"python": (("--epochs", "10"), "0.12", "15s"),
-        "torchrun": (("--epochs", "6"), "0.25", "20s"),
-        "fsdp": (("--epochs", "6", "--fsdp"), "0.25", "20s")}
+#: At least three cycles at any speed: a cycle trains for at most its limit less the grace
+#: (11 s alone, 16 s under torchrun) even if the script started at once, and the steps sleep
+#: longer than two of them: 240 steps of 0.12 s alone (28.8 s), 160 a rank of 0.25 s (40 s).
+#: (A quick CI machine once finished 96 steps of 0.25 s in two cycles.)
+RUNS = {"python": (("--epochs", "15"), "0.12", "15s"),
+        "torchrun": (("--epochs", "10"), "0.25", "20s"),
+        "fsdp": (("--epochs", "10", "--fsdp"), "0.25", "20s")}
 
 
 TORCHRUN = [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
@@ -147,3 +149,46 @@ def test_frozen_shards_written_by_two_ranks_load_into_three(workdir: Path):
     assert len(frozen) == 8 and all(torch.equal(ended[k], reference[k]) for k in frozen)
     trained = [k for k in reference if ".up." in k]
     assert any(not torch.equal(ended[k], torch.zeros_like(ended[k])) for k in trained)
+
+
+def test_a_frozen_chunk_replaced_by_a_link_to_its_copy_leaves_the_checkpoints_usable(
+        workdir: Path):
+    """Someone moves the frozen base's chunks elsewhere and links them back (a quota, a
+    dedup tool). procckpt reads nothing through a link in its dir, yet the bytes are the
+    chunk's: the link is replaced by a copy of them and the run resumes from its newest
+    checkpoint, where it set both checkpoints aside and began again."""
+    args = [str(SCRIPT), "--epochs", "4"]
+    expected = workdir / "reference.pt"
+    ref = run([PYTHON, *args, "--out", str(expected)], cwd=workdir,
+              env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    first = stopped_once(["--dir", str(ckpt), "--interval", "2s", "--", PYTHON, *args,
+                          "--step-sleep", "0.12"], workdir,
+                         lambda: len(events(ckpt, "checkpoint")) >= 2)
+    assert first.returncode == 75, first.stderr[-3000:]
+    kept = kept_manifests(ckpt)
+    assert len(kept) == 2
+    newest = sorted((ckpt / "checkpoints").glob("ckpt-*[0-9]"))[-1].name
+    shared = set(kept[0]["chunks"]) & set(kept[1]["chunks"])
+    assert shared
+    moved = workdir / "moved"
+    moved.mkdir()
+    links = {}
+    for path in (ckpt / "chunks").glob("*/*/*"):
+        if f"{path.parent.parent.name}:{path.name}" in shared:
+            copy = moved / path.name
+            path.rename(copy)
+            path.symlink_to(copy)
+            links[path] = copy
+
+    second = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "2s", "--",
+                  PYTHON, *args, "--out", str(out)], cwd=workdir, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "was a link to" in second.stderr and "unusable" not in second.stderr, \
+        second.stderr[-3000:]
+    assert f"resumed from {newest}: " in second.stderr, second.stderr[-3000:]
+    assert not list((ckpt / "checkpoints").glob("*.corrupt"))
+    assert all(p.is_file() and not p.is_symlink() and p.read_bytes() == c.read_bytes()
+               for p, c in links.items())
+    assert_bit_identical(expected, out)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import re
 import stat
@@ -45,6 +46,8 @@ except ImportError:  # a platform without its wheel: the standard library's hash
 HASH = "blake3" if _blake3 is not None else "blake2b"
 _ID = re.compile(r"^(blake3|blake2b):([0-9a-f]{64})$")
 _PIECE = 64 << 20
+
+logger = logging.getLogger("procckpt")
 
 
 class ChunkDamaged(ValueError):
@@ -195,7 +198,7 @@ class ChunkStore:
         """Why a checkpoint listing ``chunks`` cannot be used, or None: each must be there
         with its size, and (``hash_them``, or in ``hash_these``) hash to its name."""
         for chunk_id, nbytes in chunks.items():
-            if not self.has(chunk_id, nbytes):
+            if not self.has(chunk_id, nbytes) and not self._replace_link(chunk_id, nbytes):
                 return self._absent(chunk_id, nbytes)
             if hash_them or chunk_id in hash_these:
                 try:
@@ -203,6 +206,57 @@ class ChunkStore:
                 except ChunkDamaged as e:
                     return str(e)
         return None
+
+    def _replace_link(self, chunk_id: str, nbytes: int) -> bool:
+        """Replace a chunk that is a link (a copy or dedup tool's doing) by a copy of the
+        bytes it points to, if they hash to the chunk's name; return whether it was.
+
+        Nothing is ever read through a link in the dir: the target is copied into a file of
+        the store's own, hashed on the way, and that file replaces the link only if the hash
+        names the chunk. Then every checkpoint listing the chunk is as intact as before, and
+        a link to other bytes (or to something not a regular file) is left for
+        :meth:`_absent` to name."""
+        path = self.path(chunk_id)
+        algo = chunk_id.split(":")[0]
+        if not path.is_symlink():
+            return False
+        tmp = self.root / f".tmp-{uuid.uuid4().hex}"
+        try:
+            src = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # the target
+        except OSError:
+            return False
+        try:
+            st = os.fstat(src)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != nbytes:
+                return False
+            h = _hasher(algo)
+            dst = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                          | os.O_CLOEXEC, 0o644)
+            try:
+                while piece := os.read(src, _PIECE):
+                    h.update(piece)
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(dst, view):]
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+            if f"{algo}:{h.hexdigest()}" != chunk_id:
+                os.unlink(tmp)
+                return False
+            target = os.readlink(path)
+            os.rename(tmp, path)  # replaces the link itself, never its target
+            fsync_dir(path.parent)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            return False
+        finally:
+            os.close(src)
+        logger.warning("chunk %s was a link to %s; procckpt follows no link in its dir, so "
+                       "it copied the bytes there (they hash to the chunk's name) in its place",
+                       chunk_id, target)
+        return True
 
     def _absent(self, chunk_id: str, nbytes: int) -> str:
         """Why :meth:`has` says no, in words."""
@@ -214,8 +268,9 @@ class ChunkStore:
         except OSError as e:
             return f"chunk {chunk_id} cannot be read ({e.strerror or e})"
         if stat.S_ISLNK(st.st_mode):
-            return (f"chunk {chunk_id} is a link ({path} -> {os.readlink(path)}): procckpt "
-                    "follows no link in its dir; put the file itself there")
+            return (f"chunk {chunk_id} is a link ({path} -> {os.readlink(path)}) to other "
+                    "bytes than the chunk's: procckpt follows no link in its dir; put the "
+                    "file itself there")
         if not stat.S_ISREG(st.st_mode):
             return f"chunk {chunk_id} is not a regular file"
         return f"chunk {chunk_id} has {st.st_size} bytes, the manifest says {nbytes}"
