@@ -36,11 +36,11 @@ def reference(workdir: Path, *args: str) -> Path:
 
 def interrupted(workdir: Path, *args: str) -> tuple[Path, str]:
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 200 steps of at least 0.15 s; a 20 s cycle trains at most ~100 of them (its start
-    # imports torch and datasets): two never finish.
+    # 200 steps of at least 0.2 s (40 s); a 20 s cycle with a 4 s grace trains for 16 s at
+    # most, however quickly it starts: two never finish.
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                "--grace", "4s", "--max-restarts", "40", "--",
-               PYTHON, str(SCRIPT), *SMALL, *args, "--step-sleep", "0.15", "--out", str(out)],
+               PYTHON, str(SCRIPT), *SMALL, *args, "--step-sleep", "0.2", "--out", str(out)],
               cwd=workdir, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
@@ -99,7 +99,7 @@ def test_a_stream_through_a_framework_resumes_bit_identical(workdir: Path, frame
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                "--grace", "4s", "--max-restarts", "40", "--",
-               PYTHON, str(FRAMEWORKS), *args, "--step-sleep", "0.15", "--out", str(out)],
+               PYTHON, str(FRAMEWORKS), *args, "--step-sleep", "0.2", "--out", str(out)],
               cwd=workdir, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     mid_epoch = [line for line in res.stderr.splitlines() if "resumed at batch" in line]
