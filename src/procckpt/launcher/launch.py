@@ -3,6 +3,7 @@ and restart policy found, then the run loop (node 0) or a follower (the other no
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import shutil
@@ -41,7 +42,7 @@ def launch(config: RunConfig, scheduled: Scheduled) -> int:
         from .follower import Follower
 
         return Follower(config, store).run().exit_code
-    with store.lock():
+    with store.lock(), _lease(store):
         if store.remote is not None:  # a kill during an upload left one here only
             marker = store.complete_path
             store.remote.publish_missing(store.checkpoints(), store.chunks,
@@ -62,6 +63,15 @@ def launch(config: RunConfig, scheduled: Scheduled) -> int:
         engine = _engine_for(config, store)
         deadline, policy = scheduled(config) or _local(config)
         return Supervisor(config, store, engine, deadline, policy).run().exit_code
+
+
+def _lease(store: CheckpointStore) -> contextlib.AbstractContextManager[object]:
+    """The prefix's lease (store/lease.py), held while this run lasts; none for a local dir."""
+    if store.remote is None:
+        return contextlib.nullcontext()
+    from ..store.lease import PrefixLease
+
+    return PrefixLease(store.remote)
 
 
 def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
