@@ -144,3 +144,33 @@ def test_a_holder_whose_lease_was_taken_over_says_so_once(tier, caplog):
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "was taken over by pid " in errors[0], errors
     assert held_by(tier) is not None and held_by(tier) != stalled.me["token"]
+
+
+def test_a_holder_that_ran_here_and_ended_is_taken_over_at_once(tier, caplog):
+    """A launcher killed on this machine (the next one runs where it ran): its pid is gone,
+    or belongs to another process now, so its lease is taken without waiting three beats."""
+    import subprocess
+
+    from procckpt.store.lease import _started
+
+    for reuse in (False, True):
+        holder = subprocess.Popen(["sleep", "60"])
+        killed = lease(tier, beat=600)  # stale only after 30 minutes
+        killed.me.update(pid=holder.pid, started=_started(holder.pid))
+        killed.take()
+        if reuse:  # the pid names another process now: a start time not the holder's
+            killed.me["started"] = "1"
+            killed._put(if_match=killed._etag)
+        else:
+            holder.kill()
+            holder.wait()
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="procckpt"):
+            after = lease(tier)
+            after.take()
+        assert held_by(tier) == after.me["token"]
+        assert f"took over the lease of pid {holder.pid} on " in caplog.text, caplog.text
+        assert "which has ended" in caplog.text and "waiting" not in caplog.text
+        after.release()
+        holder.kill()
+        holder.wait()

@@ -14,7 +14,8 @@ that is depends on the race. With it the second to come stops before it trains:
   run, and this one stops with exit 2 and one line. One unchanged for :data:`STALE_BEATS`
   beats is a dead launcher's (killed, its node lost) and is taken over, with ``If-Match``, so
   that of two launchers taking over at once one wins. A requeue of the same Slurm job takes
-  its own dead launcher's lease at once;
+  its own dead launcher's lease at once, as does a launcher on the machine where the holder
+  ran, which sees that its process has ended;
 - the lease is deleted when the run ends.
 
 Clocks never enter: liveness is a change seen by the watcher. The conditional manifest put
@@ -45,6 +46,25 @@ BEAT = 10.0
 STALE_BEATS = 3
 
 
+def _machine() -> str | None:
+    """This boot of this machine and this process's pid namespace: pids compare only where
+    these are equal (two containers may share a host name, never both)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
 def _job() -> tuple[str | None, int]:
     """This process's Slurm job and how many times it was requeued (0 outside Slurm)."""
     try:
@@ -63,7 +83,8 @@ class PrefixLease:
         self.beat = beat
         job, restarts = _job()
         self.me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                   "job": job, "restarts": restarts, "beat": beat, "since": time.time()}
+                   "machine": _machine(), "started": _started(os.getpid()), "job": job,
+                   "restarts": restarts, "beat": beat, "since": time.time()}
         self._etag: str | None = None
         self._beats = 0
         self._stop = threading.Event()
@@ -88,10 +109,10 @@ class PrefixLease:
                     return
                 continue
             record, etag = held
-            if self._requeue_of(record):
+            if self._requeue_of(record) or self._gone_from_here(record):
                 if self._put(if_match=etag):
-                    logger.info("%s: took over the lease of this job's earlier launcher "
-                                "(requeue %d)", self.where, self.me["restarts"])
+                    logger.info("%s: took over the lease of %s, which has ended", self.where,
+                                _who(record))
                     return
                 continue
             if self._watch(record, etag):
@@ -104,6 +125,14 @@ class PrefixLease:
         return (self.me["job"] is not None and record.get("job") == self.me["job"]
                 and isinstance(record.get("restarts"), int)
                 and record["restarts"] < self.me["restarts"])
+
+    def _gone_from_here(self, record: dict[str, Any]) -> bool:
+        """Whether the holder ran on this machine, in this pid namespace, and has ended (its
+        pid is gone, or is another process's now)."""
+        pid = record.get("pid")
+        return (self.me["machine"] is not None and record.get("machine") == self.me["machine"]
+                and isinstance(pid, int) and pid > 0
+                and _started(pid) != record.get("started"))
 
     def _watch(self, record: dict[str, Any], etag: str) -> bool:
         """Watch another launcher's lease: raise if it is beaten, take it over (True) if it
