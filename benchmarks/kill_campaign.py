@@ -5,11 +5,18 @@ uninterrupted run's, bit for bit.
 
 Each case runs under ``procckpt run --interval 2s --restart-on-failure``. A kill is, at random,
 of the whole tree (the launcher's process group: a node lost, ``kill -9`` of the job; the
-launcher is started again, as a requeue would) or of the training alone (an OOM kill: the
-launcher restarts it). Its moment is drawn uniformly over the uninterrupted run's life, start-up
-included, and what the training was doing then is noted from what it left: starting or
-resuming (it had not said where it resumed), the first batch after a resume (no step done
-since), writing a checkpoint (a ``.tmp-`` write in ``checkpoints/``) or training.
+launcher is started again, as a requeue would) or of the training alone (an OOM kill: one
+training process, a rank under torchrun, never the keeper, torchrun's agent or a DataLoader
+worker; the launcher restarts it). The kills are dealt over the phases of a life evenly, from a
+shuffled deck: start-up (before the training says where it resumed), the first batch after a
+resume (resumed from a checkpoint, no step done since), training, a checkpoint's write (its
+files in a ``.tmp-`` dir, no manifest yet), its commit (the manifest written, the rename not
+yet done) and, for the S3 case, its upload (committed here, not yet journalled). Each kill is
+aimed: the campaign waits, polling what the training leaves (its output, the checkpoint dir,
+the journal), for its phase, then for a random moment inside it (start-up and training), and
+counts the phase it found when it killed. Test seams widen the narrow phases:
+``PROCCKPT_COMMIT_PAUSE`` holds a checkpoint before its manifest and before its rename,
+``PROCCKPT_S3_UPLOAD_PAUSE`` after each uploaded object.
 
 Counting: the programs print "resumed S" when they start and "step N trained I I ..." after
 each step; a resume from step S discards the steps after S that the killed run printed, so
@@ -34,14 +41,11 @@ Cases (each needs what it imports; one that cannot run says why):
     s3         the plain case with its checkpoints in S3 (moto's server on loopback, started
                here): written to a local dir, then uploaded; a kill may land in an upload
 
-A kill inside an upload is not told apart from one in training: the table's phases are what
-the local files show.
-
     python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
 
-Prints one table: per case, the kills and the phase each hit, the resumes, samples trained
-twice and never, and whether the final weights are bit-identical. Exits 1 if any case is not
-exact.
+Prints one table: per case, the kills and the phase each hit, how many killed the whole tree,
+the lives, the resumes, samples trained twice and never, and whether the final weights are
+bit-identical. Exits 1 if any case is not exact.
 """
 
 from __future__ import annotations
@@ -83,6 +87,11 @@ class Case:
     ranks: int = 1  # processes that each print their steps
     s3: bool = False  # checkpoints in S3 (moto's server on loopback), staged locally
 
+    @property
+    def program(self) -> str:
+        """The training's own program (its processes are the ones killed "alone")."""
+        return next(Path(a).name for a in self.argv if a.endswith(".py"))
+
 
 # 32 steps of 0.25 s each: training long enough beside a start-up of several seconds that
 # most kills land in it.
@@ -106,7 +115,11 @@ CASES = {
                           "--nproc-per-node=2", *AUDITED[1:], "--ddp"], (), 4, 4, 64, ranks=2),
     "s3": Case([*AUDITED, "--loader", "plain"], ("moto", "boto3"), 4, 8, 64, s3=True),
 }
-PHASES = ("starting/resuming", "first batch", "writing a checkpoint", "training")
+PHASES = ("start-up", "first batch", "training", "write", "commit", "upload")
+#: Seconds the seams hold a checkpoint before its manifest and before its rename, and after
+#: each uploaded object: wide enough for a poll to land a kill in.
+PAUSE = "0.4"
+POLL = 0.02
 
 
 @dataclass
@@ -150,24 +163,88 @@ def count(case: Case, steps: dict[tuple[int, int], list[int]]) -> tuple[int, int
     return twice, never
 
 
-def phase(ckpt: Path, stdout: Path, stderr: Path, ranks: int) -> str:
-    if any(p.name.startswith(".tmp-") for p in (ckpt / "checkpoints").glob(".tmp-*")):
-        return "writing a checkpoint"
-    out, err = stdout.read_text(errors="replace"), stderr.read_text(errors="replace")
-    if len(re.findall(r"cycle \d+: started", err)) * ranks > out.count("resumed "):
-        return "starting/resuming"
-    tail = out[out.rfind("resumed "):]
-    return "first batch" if "step " not in tail else "training"
+class Watch:
+    """What one life's training is doing, told from what it leaves: the launcher's log (a
+    cycle started), the training's output (resumed, a step), the checkpoint dir (a ``.tmp-``
+    dir, with a manifest or without) and the journal (a checkpoint published)."""
+
+    def __init__(self, local: Path, stdout: Path, stderr: Path, ranks: int, s3: bool) -> None:
+        self.local, self.stdout, self.stderr, self.ranks, self.s3 = local, stdout, stderr, \
+            ranks, s3
+        self.cycles = 0
+        self.offset = 0  # where the newest cycle's output begins
+        self.since = 0.0  # and when it began (the clock files are stamped with)
+
+    def new_cycle(self) -> bool:
+        """Whether a cycle started since the last call (and, if so, take it as the one)."""
+        err = self.stderr.read_text(errors="replace")
+        cycles = len(re.findall(r"cycle \d+: started", err))
+        if cycles == self.cycles:
+            return False
+        self.cycles, self.since = cycles, time.time() - 0.5
+        self.offset = self.stdout.stat().st_size if self.stdout.exists() else 0
+        return True
+
+    def resumed_from_a_checkpoint(self) -> bool:
+        return any(p.name.startswith("ckpt-") and not p.name.endswith(".corrupt")
+                   for p in (self.local / "checkpoints").glob("ckpt-*"))
+
+    def phase(self) -> str:
+        with open(self.stdout, "rb") as f:
+            f.seek(self.offset)
+            out = f.read().decode(errors="replace")
+        if out.count("resumed ") < self.ranks:
+            return "start-up"
+        fresh = [p for p in (self.local / "checkpoints").glob(".tmp-*")
+                 if _mtime(p) >= self.since]
+        if fresh:
+            return "commit" if any((p / "MANIFEST.json").exists() for p in fresh) else "write"
+        if self.s3 and self._uploading():
+            return "upload"
+        if "step " not in out:
+            return "first batch" if re.search(r"resumed [1-9]", out) else "first step"
+        return "training"
+
+    def _uploading(self) -> bool:
+        """A checkpoint of this cycle committed here and not yet journalled: its upload."""
+        done = [p for p in (self.local / "checkpoints").glob("ckpt-*[0-9]")
+                if _mtime(p) >= self.since]
+        if not done:
+            return False
+        journal = (self.local / "events.jsonl")
+        text = journal.read_text(errors="replace") if journal.exists() else ""
+        return any(f'"checkpoint": "{p.name}"' not in text for p in done)
 
 
-def training_pid(launcher: int) -> int | None:
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def training_pids(launcher: int, program: str) -> list[int]:
+    """The training's own processes below ``launcher``: those running ``program``, less the
+    keeper and torchrun's agent (which name it too) and the DataLoader workers (forked from
+    a training process)."""
     import psutil
 
+    found = {}
     try:
-        children = psutil.Process(launcher).children()
+        below = psutil.Process(launcher).children(recursive=True)
     except psutil.NoSuchProcess:
-        return None
-    return children[0].pid if children else None
+        return []
+    for proc in below:
+        try:
+            argv = proc.cmdline()
+            parent = proc.ppid()
+        except psutil.Error:
+            continue
+        if any(program in a for a in argv) and not any(
+                a.endswith("keeper.py") or a.endswith("torchrun") or a == "torch.distributed.run"
+                for a in argv):
+            found[proc.pid] = parent
+    return sorted(pid for pid, parent in found.items() if parent not in found)
 
 
 def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
@@ -185,66 +262,68 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
     env.pop("PROCCKPT_TOKEN", None)
     if case.s3:
         env.update(s3_server(servers))
-    lives = []
-    # Twice: the first start fills caches (data, imports), so the second times a life; and
-    # two uninterrupted runs that differ tell a training that is not deterministic here from
-    # a resume that is not exact.
+    # Twice: two uninterrupted runs that differ tell a training that is not deterministic here
+    # from a resume that is not exact.
     for out in ("reference-cold.pt", "reference.pt"):
-        started = time.monotonic()
         ref = subprocess.run([*case.argv, "--out", out], cwd=folder, text=True,
                              capture_output=True,
                              env={**env, "PROCCKPT_DIR": str(folder / f"ckpt-{out[:-3]}")})
-        lives.append(time.monotonic() - started)
         if ref.returncode != 0:
             result.note = f"the uninterrupted run failed: {ref.stderr.strip().splitlines()[-1:]}"
             result.identical = False
             return result
-    life = min(lives)
     noise = differing(folder / "reference-cold.pt", folder / "reference.pt")
     if noise:
         result.note = f"two uninterrupted runs already differ in {noise}: not deterministic here"
         result.identical = False
         return result
-    left = kills
+    phases = [p for p in PHASES if p != "upload" or case.s3]
+    rng.shuffle(phases)  # (fewer kills than phases: which ones, at random)
+    deck = [phases[i % len(phases)] for i in range(kills)]
     for round_ in range(1, 2 * kills + 3):  # (a life may end before a kill lands)
-        left = one_life(case, folder, folder / f"life-{round_}", left, life, rng, env, result)
-        if left == 0 or result.note:
+        one_life(case, folder, folder / f"life-{round_}", deck, rng, env, result)
+        if not deck or result.note:
             break
     return result
 
 
-def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  # noqa: C901, PLR0915 (one kill loop)
-             rng: random.Random, env: dict[str, str], result: Result) -> int:
-    """A training from scratch to its end, killed up to ``left`` times; the kills left."""
+def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa: C901, PLR0912, PLR0915 (one kill loop)
+             rng: random.Random, env: dict[str, str], result: Result) -> None:
+    """A training from scratch to its end, killed at phases drawn from ``deck`` (each kill
+    that lands takes its phase out of it)."""
     life_dir.mkdir()
     ckpt, stdout, stderr = life_dir / "ckpt", life_dir / "stdout.txt", life_dir / "stderr.txt"
     local = ckpt  # where a checkpoint is written first
+    env = {**env, "PROCCKPT_COMMIT_PAUSE": PAUSE}
     if case.s3:  # staged in a local dir, then uploaded; a resume reads the bucket
         ckpt, local = f"s3://campaign/{folder.name}-{life_dir.name}", life_dir / "local"
-        env = {**env, "PROCCKPT_LOCAL_DIR": str(local)}
+        env = {**env, "PROCCKPT_LOCAL_DIR": str(local), "PROCCKPT_S3_UPLOAD_PAUSE": PAUSE}
     out_pt = life_dir / "out.pt"
     argv = [*PROCCKPT, "run", "--dir", str(ckpt), "--interval", "2s", "--restart-on-failure",
             "--max-restarts", "1000", "--", *case.argv, "--out", str(out_pt)]
-    for _launch in range(left + 20):
+    stdout.touch()
+    watch = Watch(local, stdout, stderr, case.ranks, case.s3)
+    for _launch in range(len(deck) + 20):
         with open(stdout, "a") as out, open(stderr, "a") as err:
             launcher = subprocess.Popen(argv, cwd=folder, stdout=out, stderr=err, env=env,
                                         start_new_session=True)
-        while left > 0 and launcher.poll() is None:
-            deadline = time.monotonic() + rng.uniform(0.2, life)
-            while time.monotonic() < deadline and launcher.poll() is None:
-                time.sleep(0.05)
-            if launcher.poll() is not None:
-                break
-            result.kills[phase(local, stdout, stderr, case.ranks)] += 1
-            left -= 1
-            if rng.random() < 0.5:
+        while deck and launcher.poll() is None:
+            if not watch.new_cycle():
+                time.sleep(POLL)
+                continue
+            target = aim(deck, watch, launcher, rng)
+            if target is None:
+                continue  # no phase of the deck in this cycle: it runs on to its end
+            pids = [] if rng.random() < 0.5 else training_pids(launcher.pid, case.program)
+            landed = watch.phase()
+            if pids:  # the training alone (or, where none is found yet, the whole tree)
+                os.kill(rng.choice(pids), signal.SIGKILL)
+            else:
                 result.tree_kills += 1
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
-            else:
-                pid = training_pid(launcher.pid)
-                if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
+            result.kills[landed if landed in PHASES else target] += 1
+            deck.remove(landed if landed in deck else target)
         code = launcher.wait()
         last = (stderr.read_text(errors="replace").strip().splitlines() or [""])[-1]
         if code == 0 or "training finished but the command then exited" in last:
@@ -254,7 +333,7 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
         if code != -signal.SIGKILL and "so it would fail again: not restarted" not in last:
             result.note = f"procckpt run exited {code}: {last}"
             result.identical = False
-            return left
+            return
     text = stdout.read_text(errors="replace")
     result.resumes += len(re.findall(r"resumed [1-9]", text)) // case.ranks
     twice, never = count(case, trained_steps(text))
@@ -272,7 +351,44 @@ def one_life(case: Case, folder: Path, life_dir: Path, left: int, life: float,  
     else:
         result.note, result.identical = "no final weights", False
     result.lives += 1
-    return left
+
+
+#: The phases in the order a cycle meets them; the last four recur until the cycle ends.
+_ORDER = {"start-up": 0, "first batch": 1, "first step": 1, "training": 2, "write": 2,
+          "commit": 2, "upload": 2}
+
+
+def aim(deck: list[str], watch: Watch, launcher: subprocess.Popen, rng: random.Random,
+        patience: float = 60.0) -> str | None:
+    """Wait, in a cycle that has just started, for a phase drawn from ``deck`` (and for a
+    random moment inside start-up or training); return it, or None when the cycle holds none
+    of the deck's phases any more (it went past them, or ended)."""
+    passed: set[str] = set()
+    if not watch.resumed_from_a_checkpoint():
+        passed.add("first batch")  # a fresh start: no resume to catch the first batch of
+    while True:
+        options = [p for p in deck if p not in passed]
+        if not options:
+            return None
+        target = rng.choice(options)
+        delay = {"start-up": rng.uniform(0.0, 1.5), "training": rng.uniform(0.0, 2.0)}.get(
+            target, 0.0)
+        seen_at = None
+        until = time.monotonic() + patience
+        while time.monotonic() < until:
+            if launcher.poll() is not None:
+                return None
+            if watch.new_cycle():  # the training was restarted meanwhile: aim in this one
+                return aim(deck, watch, launcher, rng, patience)
+            now = watch.phase()
+            if now == target:
+                seen_at = seen_at if seen_at is not None else time.monotonic()
+                if time.monotonic() - seen_at >= delay:
+                    return target
+            elif _ORDER[now] > _ORDER[target]:
+                break  # gone past it in this cycle
+            time.sleep(POLL)
+        passed.add(target)
 
 
 def differing(ours: Path, theirs: Path) -> str:

@@ -1,7 +1,8 @@
 """The kill campaign's short version (benchmarks/kill_campaign.py): every case killed with
-SIGKILL at 2 random moments (the whole tree or the training alone), resumed, and counted: no
-sample trained twice or never, final weights bit-identical to an uninterrupted run. The
-report's 25 kills per case are in BENCHMARKS.md. About 8-9 minutes here."""
+SIGKILL twice (the whole tree or the training alone), each kill aimed at a phase drawn at
+random (start-up, the first batch after a resume, training, a checkpoint's write, its commit,
+its upload), resumed, and counted: no sample trained twice or never, final weights
+bit-identical to an uninterrupted run. The report's 25 kills per case are in BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
         if kills.startswith("skipped"):
             continue
         assert kills == "2", row  # both landed
+        assert sum(int(c) for c in cells[2:8]) == 2, row  # each in a phase it names
         twice, never, identical = cells[-3:]
         assert (twice, never, identical) == ("0", "0", "yes"), row
     assert not re.search(r"\bNO\b", done.stdout), done.stdout

@@ -31,7 +31,12 @@ from .files import (
 )
 from .manifest import CHUNKED_FORMAT, FORMAT_VERSION, MANIFEST, CheckpointInfo
 
-__all__ = ["PendingCheckpoint"]
+__all__ = ["PendingCheckpoint", "ENV_COMMIT_PAUSE"]
+
+#: A test seam: seconds to wait once a checkpoint's files are written, and again once its
+#: manifest is, before the rename that commits it (so that the kill campaign can land kills
+#: in a checkpoint's write and in its commit).
+ENV_COMMIT_PAUSE = "PROCCKPT_COMMIT_PAUSE"
 
 
 class PendingCheckpoint:
@@ -155,6 +160,8 @@ class PendingCheckpoint:
             adopt(self)
         if not self.files:
             raise StoreError("refusing to commit a checkpoint with no payload files")
+        pause = float(os.environ.get(ENV_COMMIT_PAUSE) or 0)
+        time.sleep(pause)
         file_bytes = sum(f["bytes"] for f in self.files.values())
         manifest = {
             "format": FORMAT_VERSION,
@@ -175,6 +182,7 @@ class PendingCheckpoint:
             f.flush()
             os.fsync(f.fileno())
         fsync_dir(self.tmp)
+        time.sleep(pause)
         final = self.ckpt_root / f"ckpt-{self.seq:08d}"
         if final.exists():  # another writer took this number: take the next free one
             self.seq = self._next_seq()
