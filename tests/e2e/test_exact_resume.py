@@ -3,6 +3,7 @@ with parameters bit-identical (torch.equal) to an uninterrupted run of the same 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,13 +47,31 @@ def test_polynomial_regression_resumes_bit_identically(workdir: Path):
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_cnn_shuffling_loader_with_dropout_resumes_mid_epoch(workdir: Path, workers: int):
-    # 3 epochs x 16 batches with 0.4 s per step: 19.2 s of training; each 12 s cycle trains < 9 s.
-    args = ["--epochs", "3", "--train-size", "1024", "--workers", str(workers)]
+    """Stopped (SIGUSR1, as before a Slurm time limit) a few steps into its first epoch, then
+    through time-limit cycles to the end: one resume is in the middle of an epoch wherever
+    the deadlines fall. (Left to deadlines alone, a machine whose cycles each trained about
+    an epoch resumed at epochs' edges only.)"""
+    from ..harness.processes import stopped_once
+
+    # 4 epochs x 16 batches with 0.4 s per step: 25.6 s of training; each 12 s cycle trains
+    # < 9 s, so the ~58 steps left after the stop need three cycles at any speed.
+    args = ["--epochs", "4", "--train-size", "1024", "--workers", str(workers)]
     script = EXAMPLES / "cnn_classifier.py"
     reference = uninterrupted(workdir, script, args)
+    ckpt, beat = workdir / "run-ckpt", workdir / "run-ckpt" / "control" / "heartbeat.json"
+
+    def a_few_steps_in() -> bool:
+        try:
+            return json.loads(beat.read_text())["step"] >= 4
+        except (OSError, ValueError, KeyError):
+            return False
+
+    first = stopped_once(["--dir", str(ckpt), "--", PYTHON, str(script), *args, "--step-sleep",
+                          "0.4", "--out", str(workdir / "resumed.pt")], workdir, a_few_steps_in)
+    assert first.returncode == 75, first.stderr[-3000:]
     resumed, events = interrupted(workdir, script, [*args, "--step-sleep", "0.4"],
                                   limit="12s", grace="3s")
-    mid_epoch = [e for e in events if e["event"] == "resume" and e["batch"] > 0]
+    mid_epoch = [e for e in events if e["event"] == "resume" and 0 < e["batch"]]
     assert mid_epoch, "no cycle resumed in the middle of an epoch"
     assert_bit_identical(reference, resumed)
 
