@@ -11,6 +11,7 @@ Runtime: 4-8 minutes on 2 cores (each torchrun start costs 4-12 s of imports, wi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -97,6 +98,21 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_ddp_stopped_twice_via_one_rank_ends_bit_identical(workdir: Path, ddp_reference: Path):
+    # First a stop a few steps into the first epoch (SIGUSR1, as before a Slurm time limit),
+    # so that one resume is in the middle of an epoch wherever the deadlines after it fall
+    # (cycles of about an epoch each resumed at epochs' edges only, on a loaded machine).
+    ckpt = workdir / "resumed-ckpt"
+    beat = ckpt / "control" / "heartbeat.json"
+
+    def a_few_steps_in() -> bool:
+        try:
+            return json.loads(beat.read_text())["step"] >= 2
+        except (OSError, ValueError, KeyError):
+            return False
+
+    first = stopped_once(["--dir", str(ckpt), "--", *torchrun(2, DDP, *ARGS, "--out", str(
+        workdir / "resumed"))], workdir, a_few_steps_in, env={"PROCCKPT_POLL_RANKS": "1"})
+    assert first.returncode == 75, first.stderr[-3000:]
     resumed, events = interrupted(workdir, DDP, ARGS, "resumed")
     assert any(e["event"] == "resume" and e["batch"] > 0 for e in events), \
         "no cycle resumed in the middle of an epoch"
