@@ -30,6 +30,11 @@ from typing import Any
 __all__ = ["KINDS", "Segment", "Cycle", "Goodput", "compute_goodput"]
 
 #: The parts of the wall time, in the order they are shown.
+#: A restart's phases, in order, as the training journals them (training/link/timing.py);
+#: ``spawn_and_imports`` where no process start time splits them.
+RECOVERY_KEYS = ("backoff", "spawn", "imports", "spawn_and_imports", "checkpointer", "restore",
+                 "first_step")
+
 KINDS = ("training", "startup", "restore", "replay", "checkpoint_stall", "lost", "idle", "queue")
 
 #: How a cycle ended (the launcher's ``cycle-end`` event): the work up to its last moment was
@@ -86,6 +91,18 @@ class Goodput:
     between: list[Segment]
     #: The period of checkpoints and its basis, as last journalled.
     interval: tuple[float | None, str] | None = None
+    #: Each restart's phases, as the resumed training timed them (``recovery`` events).
+    recoveries: list[dict[str, Any]] = field(default_factory=list)
+
+    def recovery_seconds(self) -> dict[str, float]:
+        """The restarts' phases added up (``total``: from each cycle's end before to the end
+        of its first resumed step); empty before any restart was timed."""
+        sums: dict[str, float] = {}
+        for r in self.recoveries:
+            for key in (*RECOVERY_KEYS, "total"):
+                if isinstance(r.get(key), (int, float)):
+                    sums[key] = sums.get(key, 0.0) + float(r[key])
+        return sums
 
     @property
     def wall(self) -> float:
@@ -104,6 +121,9 @@ class Goodput:
             "ettr": None if self.ettr is None else round(self.ettr, 4),
             "wall_seconds": round(self.wall, 3),
             "seconds": {k: round(v, 3) for k, v in seconds.items()},
+            "recoveries": {"restarts": len(self.recoveries),
+                           "seconds": {k: round(v, 3)
+                                       for k, v in self.recovery_seconds().items()}},
             "cycles": [{"cycle": c.number, "launch": c.launch, "start": c.start, "end": c.end,
                         "ended": c.ended, "exit_code": c.exit_code, "then": c.then,
                         "checkpoints": len(c.checkpoints),
@@ -139,6 +159,7 @@ def compute_goodput(events: Iterable[dict[str, Any]], now: float | None = None, 
             it at its last event (the launcher died with it).
     """
     launches: list[_Launch] = []
+    recoveries: list[dict[str, Any]] = []
     interval: tuple[float | None, str] | None = None
     cycle: Cycle | None = None
     numbered = 0
@@ -150,8 +171,10 @@ def compute_goodput(events: Iterable[dict[str, Any]], now: float | None = None, 
         last_time = t
         kind = e.get("event")
         if kind == "archive":  # --force: the journal's run so far ended; a new one begins
-            launches, interval, cycle, numbered = [], None, None, 0
+            launches, interval, cycle, numbered, recoveries = [], None, None, 0, []
             continue
+        if kind == "recovery":
+            recoveries.append(e)
         if kind == "start":
             cycle = None
             launches.append(_Launch(t, e.get("job_id")))
@@ -198,7 +221,8 @@ def compute_goodput(events: Iterable[dict[str, Any]], now: float | None = None, 
                 c.end = max([c.start, *own])
         _paint(c)
     end = max(last_time, now or last_time, *(c.end for c in cycles)) if cycles else last_time
-    return Goodput(launches[0].start, end, cycles, _between(launches, end), interval)
+    return Goodput(launches[0].start, end, cycles, _between(launches, end), interval,
+                   recoveries)
 
 
 _OLD_EXITS = {"finished": "finished", "requeued": "stopped", "checkpointed": "stopped",

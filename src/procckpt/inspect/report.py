@@ -21,7 +21,7 @@ from ..errors import StoreError
 from ..protocol.events import read_events
 from ..store.files import write_file_atomic
 from .goodput import KINDS, Goodput, Segment, compute_goodput
-from .status import LABELS, damaged_journal, opened_for_reading, status_data
+from .status import LABELS, damaged_journal, opened_for_reading, recoveries_line, status_data
 
 __all__ = ["render_report", "write_report", "COLOURS"]
 
@@ -89,7 +89,8 @@ def _summary(g: Goodput, data: dict[str, Any]) -> str:
             f"model, over {len(g.cycles)} cycles in "
             f"{launches} launch{'es' if launches != 1 else ''}; {data['restarts']} restarts, "
             f"{len(_all(g, 'checkpoints'))} checkpoints, {len(_all(g, 'hangs'))} hangs. "
-            f"From {_clock(g.start)} to {_clock(g.end)}.</p>")
+            f"From {_clock(g.start)} to {_clock(g.end)}.</p>"
+            + ("" if (timed := recoveries_line(g)) is None else f"<p>{_e(timed)}.</p>"))
 
 
 def _all(g: Goodput, what: str) -> list[float]:

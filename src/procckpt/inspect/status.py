@@ -213,9 +213,24 @@ def _goodput_lines(goodput: Goodput) -> list[str]:
     ettr = goodput.ettr or 0.0
     parts = [f"{LABELS[k]} {format_duration(v)} ({100 * v / wall:.1f} %)"
              for k, v in seconds.items() if k != "training" and v >= 0.05]
-    return [f"goodput:        {100 * ettr:.1f} % of {format_duration(wall)} trained the model "
-            f"({format_duration(seconds['training'])}; {len(goodput.cycles)} cycles)",
-            "                " + (" · ".join(parts) if parts else "nothing else")]
+    lines = [f"goodput:        {100 * ettr:.1f} % of {format_duration(wall)} trained the model "
+             f"({format_duration(seconds['training'])}; {len(goodput.cycles)} cycles)",
+             "                " + (" · ".join(parts) if parts else "nothing else")]
+    restarts = recoveries_line(goodput)
+    if restarts is not None:
+        lines.append("                " + restarts)
+    return lines
+
+
+def recoveries_line(goodput: Goodput) -> str | None:
+    """'3 restarts timed, 12.40s from the cycles' ends to their first resumed steps:
+    back-off 6.00s, ...'; None before any restart was timed."""
+    sums, n = goodput.recovery_seconds(), len(goodput.recoveries)
+    if "total" not in sums:
+        return None
+    parts = [f"{name} {sums[key]:.2f}s" for key, name in RECOVERY_PHASES if key in sums]
+    return (f"{n} restart{'' if n == 1 else 's'} timed, {sums['total']:.2f}s from the "
+            f"cycles' ends to their first resumed steps: {', '.join(parts)}")
 
 
 def opened_for_reading(root: Path) -> CheckpointStore:
