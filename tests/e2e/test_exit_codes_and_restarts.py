@@ -1,9 +1,10 @@
 """What ``procckpt run`` exits with and when it restarts: the command's own exit code, a crash
-restarted only when asked, the restart count the command sees, a finished run that is not
-trained again unless forced."""
+restarted when its cycle had saved a checkpoint, the restart count the command sees, a finished
+run that is not trained again unless forced."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..conftest import procckpt_argv, run
@@ -19,22 +20,48 @@ def test_exit_code_is_the_commands(workdir: Path):
     assert killed.returncode == 128 + 9
 
 
-def test_crash_is_not_restarted_unless_asked(workdir: Path):
-    crash = run([*procckpt_argv(), "run", "--dir", "a", "--", *TINY, "--epochs", "1",
-                 "--save-every", "1", "--fail-at-step", "4"], cwd=workdir)
-    assert crash.returncode == 3
-    assert "--restart-on-failure" in crash.stderr
-    retried = run([*procckpt_argv(), "run", "--dir", "b", "--restart-on-failure", "--",
-                   *TINY, "--epochs", "2", "--save-every", "1", "--fail-at-step", "12"],
-                  cwd=workdir)
-    assert retried.returncode == 0, retried.stderr
-    assert "restart 1" in retried.stdout and "done" in retried.stdout
+def test_a_crash_after_a_checkpoint_is_restarted_and_one_that_repeats_ends_in_a_line(
+        workdir: Path):
+    """The default: a crash (exit 3 at step 12, once) after the cycle saved a checkpoint (at
+    the end of epoch 1, step 8) is restarted from it and the run ends; a bug (SIGSEGV at step
+    12 at every start) is restarted once, crashes again before it saves anything and ends the
+    run in one line; one before any checkpoint ends it at once; --no-restart-on-failure ends
+    it."""
+    once = run([*procckpt_argv(), "run", "--dir", "once", "--", *TINY, "--epochs", "2",
+                "--save-every", "1", "--fail-at-step", "12"], cwd=workdir)
+    assert once.returncode == 0, once.stderr[-3000:]
+    assert "restarting in 2.0s (it saved a checkpoint in this cycle; --no-restart-on-failure " \
+        "ends the run instead)" in once.stderr, once.stderr[-3000:]
+    assert "start step 8 restart 1" in once.stdout, once.stdout
+
+    bug = run([*procckpt_argv(), "run", "--dir", "bug", "--", *TINY, "--epochs", "3",
+               "--save-every", "1", "--crash-at-step", "12"], cwd=workdir)
+    assert bug.returncode == 128 + 11, bug.stderr[-3000:]
+    assert bug.stdout.count("step 11\n") == 2 and "start step 8 restart 1" in bug.stdout
+    last = bug.stderr.strip().splitlines()[-1]
+    assert "the command was killed by signal 11 (SIGSEGV) before it saved a checkpoint in this " \
+        "cycle, so a restart would most likely fail the same way: not restarted" in last, last
+    assert "resumes from ckpt-" in last, last
+
+    early = run([*procckpt_argv(), "run", "--dir", "early", "--", *TINY, "--epochs", "1",
+                 "--fail-at-step", "4"], cwd=workdir)
+    assert early.returncode == 3 and "restart 1" not in early.stdout, early.stderr[-3000:]
+    assert "before it saved a checkpoint in this cycle" in early.stderr, early.stderr[-3000:]
+    asked = run([*procckpt_argv(), "run", "--dir", "early", "--restart-on-failure", "--",
+                 *TINY, "--epochs", "1", "--fail-at-step", "4"], cwd=workdir)
+    assert asked.returncode == 0 and "restart 1" in asked.stdout, asked.stderr[-3000:]
+
+    never = run([*procckpt_argv(), "run", "--dir", "never", "--no-restart-on-failure", "--",
+                 *TINY, "--epochs", "2", "--save-every", "1", "--fail-at-step", "12"],
+                cwd=workdir)
+    assert never.returncode == 3, never.stderr[-3000:]
+    assert "not restarted (--no-restart-on-failure)" in never.stderr, never.stderr[-3000:]
 
 
 def test_a_restart_after_a_crash_is_timed_phase_by_phase(workdir: Path):
     """A crash at step 12, restarted by --restart-on-failure: the resumed training journals
     where the time from the crash seen to its first resumed step went, and procckpt status
-    shows it. The phases add up to the whole."""
+    shows it. The phases add up to the whole, and the goodput adds up the restarts'."""
     done = run([*procckpt_argv(), "run", "--dir", "b", "--restart-on-failure", "--",
                 *TINY, "--epochs", "2", "--save-every", "1", "--fail-at-step", "12"],
                cwd=workdir)
@@ -48,6 +75,17 @@ def test_a_restart_after_a_crash_is_timed_phase_by_phase(workdir: Path):
     status = run([*procckpt_argv(), "status", "b"], cwd=workdir)
     assert "last restart: " in status.stdout and "from the end of the cycle before to the " \
         "end of the first resumed step: back-off 2." in status.stdout, status.stdout
+    # The goodput adds the restarts' phases up (here the one), in status, its JSON and the
+    # report.
+    assert f"1 restart timed, {recovery['total']:.2f}s from the cycles' ends to their first " \
+        f"resumed steps: back-off {recovery['backoff']:.2f}s" in status.stdout, status.stdout
+    data = json.loads(run([*procckpt_argv(), "status", "--json", "b"], cwd=workdir).stdout)
+    timed = data["goodput"]["recoveries"]
+    assert timed["restarts"] == 1 and abs(timed["seconds"]["total"] - recovery["total"]) < 1e-3
+    assert abs(timed["seconds"]["restore"] - recovery["restore"]) < 1e-3, timed
+    report = run([*procckpt_argv(), "report", "b"], cwd=workdir)
+    assert report.returncode == 0, report.stderr
+    assert "1 restart timed, " in (workdir / "b" / "report.html").read_text()
 
 
 def test_restart_count_reaches_the_command(workdir: Path):

@@ -201,7 +201,9 @@ def test_processes_the_command_left_running_are_named_when_killed(workdir: Path)
 
 def test_a_command_killed_by_a_signal_is_named_and_the_rerun_counts_as_a_restart(
         workdir: Path):
-    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", "c", "--interval", "1s", "--",
+    # (Not restarted: by default a crash after a checkpoint of its cycle would be.)
+    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", "c", "--interval", "1s",
+                             "--no-restart-on-failure", "--",
                              *TINY, "--epochs", "50", "--step-sleep", "0.2"], cwd=workdir,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -217,7 +219,8 @@ def test_a_command_killed_by_a_signal_is_named_and_the_rerun_counts_as_a_restart
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 137, stderr[-3000:]
-    assert "the command was killed by signal 9 (SIGKILL)" in stderr, stderr[-3000:]
+    assert "the command was killed by signal 9 (SIGKILL), not restarted " \
+        "(--no-restart-on-failure)" in stderr, stderr[-3000:]
     assert "running the same command again resumes from ckpt-" in stderr, stderr[-3000:]
     again = run([*procckpt_argv(), "run", "--dir", "c", "--", *TINY, "--epochs", "1"],
                 cwd=workdir)

@@ -189,9 +189,13 @@ class RunConfig:
                                "shorter one would stop a healthy run"),
         "DURATION|auto|off")
     max_restarts: int = _option(20, "Restart (or requeue) at most N times.", _int(0), "N")
-    restart_on_failure: bool = _option(
-        False, "Also restart a command that crashed, from its last checkpoint.", _bool,
-        kind="switch")
+    restart_on_failure: bool | None = _option(
+        None, "Restart a command that crashed (an OOM kill, a segfault, a lost GPU) from its "
+        "last checkpoint. By default only a crash after a checkpoint of its own cycle is "
+        "restarted, so that one that repeats before it saves anything ends the run; "
+        "--restart-on-failure restarts that too (until 3 in a row), --no-restart-on-failure "
+        "none.", _bool, kind="switch",
+        shown_default="after a checkpoint of the crashed cycle")
     engine: str = _option("auto", "Snapshot engine.", _engine, "|".join(ENGINES))
     keep: int = _option(2, "Keep the last N checkpoints (plus the best).", _int(1), "N")
     force: bool = _option(

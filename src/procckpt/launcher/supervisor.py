@@ -53,8 +53,8 @@ __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
 
 logger = logging.getLogger(__name__)
 
-#: --restart-on-failure: the same failure from the same checkpoint this often in a row stops
-#: the run; before each restart the launcher waits, twice as long each time.
+#: Restarts after a failure: the same failure from the same checkpoint this often in a row
+#: stops the run; before each restart the launcher waits, twice as long each time.
 SAME_FAILURE_LIMIT = 3
 BACKOFF_FIRST = 2.0
 BACKOFF_MAX = 60.0
@@ -106,6 +106,9 @@ class Supervisor(RunLoop):
         self._last_failure: int | None = None  # the newest checkpoint's step at the last
         self._same_failures = 0  # failures in a row from there, and their exit codes:
         self._failure_codes: list[int] = []
+        #: The newest checkpoint's step when the current cycle began: a crash after a newer
+        #: one is restarted by default.
+        self._cycle_from: int | None = None
         #: Wall-clock time the last cycle's command was seen to end: the next cycle's
         #: recovery is timed from there (training/link/timing.py).
         self._cycle_ended: float | None = None
@@ -299,7 +302,20 @@ class Supervisor(RunLoop):
                               f"{resumes_from(self.store, verb='resumes')}; to end training early, "
                               "call ckpt.finish() before break")
         ended = exit_words(code)
-        if self.config.restart_on_failure and restarts < self.config.max_restarts:
+        asked = self.config.restart_on_failure
+        # By default a crash is restarted only after a checkpoint of its own cycle: an OOM
+        # kill at hour 30 goes on, a bug that crashes again before saving anything ends here.
+        saved = self._latest_step() != self._cycle_from
+        own = (f" (the command's own code: procckpt's {code} would have said why above)"
+               if code in OWN_EXIT_CODES and outcome.procckpt_code is None else "")
+        if asked is None and not saved:
+            return self._exit(ExitReason.FAILED, command_code=code, message=
+                              f"the command {ended}{own} before it saved a checkpoint in this "
+                              "cycle, so a restart would most likely fail the same way: not "
+                              "restarted (--restart-on-failure restarts it anyway). Fix the "
+                              "cause; running the same command again "
+                              f"{resumes_from(self.store, verb='resumes')}", error=True)
+        if asked is not False and restarts < self.config.max_restarts:
             # Failures with no new checkpoint in between, whatever their exit codes (a crash
             # whose code alternates is no progress either): they will most likely repeat.
             where = self._latest_step()
@@ -317,18 +333,17 @@ class Supervisor(RunLoop):
                                   "cause; running the same command again "
                                   f"{resumes_from(self.store, verb='resumes')}", error=True)
             delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 1))
-            logger.warning("the command %s; restarting in %s (--restart-on-failure): the next "
-                           "cycle %s", ended, format_duration(delay), resumes_from(self.store))
+            why = "--restart-on-failure" if asked else \
+                "it saved a checkpoint in this cycle; --no-restart-on-failure ends the run instead"
+            logger.warning("the command %s; restarting in %s (%s): the next cycle %s", ended,
+                           format_duration(delay), why, resumes_from(self.store))
             append_event(self.store.events_path, "restart", restart=restarts + 1,
                          cause="failure", exit_code=code)
             self._carried_signals += self._sleep(delay)
             return None
         hint = (f", and --max-restarts {self.config.max_restarts} is spent ({restarts} "
                 f"restart{'' if restarts == 1 else 's'} in this launch)"
-                if self.config.restart_on_failure
-                else ", not restarted (see --restart-on-failure)")
-        own = (f" (the command's own code: procckpt's {code} would have said why above)"
-               if code in OWN_EXIT_CODES and outcome.procckpt_code is None else "")
+                if asked is not False else ", not restarted (--no-restart-on-failure)")
         return self._exit(ExitReason.FAILED, command_code=code, message=
                           f"the command {ended}{own}{hint}; running the same command again "
                           f"{resumes_from(self.store, verb='resumes')}", error=True)
@@ -373,6 +388,7 @@ class Supervisor(RunLoop):
     # -- one cycle -------------------------------------------------------------------------
     def _run_cycle(self, restarts: int) -> CycleOutcome:
         token = uuid.uuid4().hex
+        self._cycle_from = self._latest_step()
         self.store.clean_temporaries()  # what a killed command of the last cycle left half-written
         argv, engine_env = self.engine.start_cycle(self.config.command, token)
         env = dict(os.environ)

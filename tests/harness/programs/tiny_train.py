@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 from typing import Any
 
@@ -29,6 +30,8 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="exit 3 at this step (only on the first start)")
+    parser.add_argument("--crash-at-step", type=int, default=None,
+                        help="die of SIGSEGV at this step, at every start (a bug)")
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="stop making progress after this step (only on the first start)")
     parser.add_argument("--finish-at-step", type=int, default=None,
@@ -92,6 +95,8 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
             if args.fail_at_step is not None and ckpt.step + 1 == args.fail_at_step \
                     and ckpt.restart == 0:
                 raise SystemExit(3)
+            if ckpt.step + 1 == args.crash_at_step:
+                os.kill(os.getpid(), signal.SIGSEGV)
             print(f"step {ckpt.step + 1}", flush=True)
             if ckpt.step + 1 == args.finish_at_step:
                 ckpt.finish()
