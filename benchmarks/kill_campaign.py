@@ -14,7 +14,10 @@ files in a ``.tmp-`` dir, no manifest yet), its commit (the manifest written, th
 yet done) and, for the S3 case, its upload (committed here, not yet journalled). Each kill is
 aimed: the campaign waits, polling what the training leaves (its output, the checkpoint dir,
 the journal), for its phase, then for a random moment inside it (start-up and training), and
-counts the phase it found when it killed. Test seams widen the narrow phases:
+counts the phase it found when it killed (a kill at a checkpoint's write, commit or upload
+waits for a life that has committed one already; when only a resume's first batch is left in
+a life that began afresh, one extra kill in training, after its first checkpoint, makes the
+resume it needs: the kills column counts it). Test seams widen the narrow phases:
 ``PROCCKPT_COMMIT_PAUSE`` holds a checkpoint before its manifest and before its rename,
 ``PROCCKPT_S3_UPLOAD_PAUSE`` after each uploaded object.
 
@@ -323,7 +326,10 @@ def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa:
                 os.killpg(launcher.pid, signal.SIGKILL)
                 launcher.wait()
             result.kills[landed if landed in PHASES else target] += 1
-            deck.remove(landed if landed in deck else target)
+            for taken in (landed, target):  # (neither, for a kill that bridges to a resume)
+                if taken in deck:
+                    deck.remove(taken)
+                    break
         code = launcher.wait()
         last = (stderr.read_text(errors="replace").strip().splitlines() or [""])[-1]
         if code == 0 or "training finished but the command then exited" in last:
@@ -358,21 +364,32 @@ _ORDER = {"start-up": 0, "first batch": 1, "first step": 1, "training": 2, "writ
           "commit": 2, "upload": 2}
 
 
-def aim(deck: list[str], watch: Watch, launcher: subprocess.Popen, rng: random.Random,
+def aim(deck: list[str], watch: Watch, launcher: subprocess.Popen, rng: random.Random,  # noqa: C901, PLR0912 (one wait, a branch per kind of phase)
         patience: float = 60.0) -> str | None:
     """Wait, in a cycle that has just started, for a phase drawn from ``deck`` (and for a
     random moment inside start-up or training); return it, or None when the cycle holds none
-    of the deck's phases any more (it went past them, or ended)."""
+    of the deck's phases any more (it went past them, or ended).
+
+    A resume's first batch is met only right after a resume, so it is aimed at first
+    whenever this cycle resumed. A checkpoint's write, commit or upload is aimed at only once
+    the life has a committed checkpoint, so that a kill there leaves something to resume
+    from. When only first batches are left and this cycle began afresh, it is killed in
+    training once it has committed one ("training", not from the deck: an extra kill, which
+    the table counts), so that the next cycle resumes."""
     passed: set[str] = set()
-    if not watch.resumed_from_a_checkpoint():
+    fresh = not watch.resumed_from_a_checkpoint()
+    if fresh:
         passed.add("first batch")  # a fresh start: no resume to catch the first batch of
     while True:
         options = [p for p in deck if p not in passed]
-        if not options:
+        bridge = not options and fresh and "first batch" in deck
+        if not options and not bridge:
             return None
-        target = rng.choice(options)
+        target = "training" if bridge else "first batch" if "first batch" in options else \
+            rng.choice(options)
         delay = {"start-up": rng.uniform(0.0, 1.5), "training": rng.uniform(0.0, 2.0)}.get(
             target, 0.0)
+        needs_a_checkpoint = bridge or target in ("write", "commit", "upload")
         seen_at = None
         until = time.monotonic() + patience
         while time.monotonic() < until:
@@ -381,7 +398,7 @@ def aim(deck: list[str], watch: Watch, launcher: subprocess.Popen, rng: random.R
             if watch.new_cycle():  # the training was restarted meanwhile: aim in this one
                 return aim(deck, watch, launcher, rng, patience)
             now = watch.phase()
-            if now == target:
+            if now == target and (not needs_a_checkpoint or watch.resumed_from_a_checkpoint()):
                 seen_at = seen_at if seen_at is not None else time.monotonic()
                 if time.monotonic() - seen_at >= delay:
                     return target
@@ -389,6 +406,8 @@ def aim(deck: list[str], watch: Watch, launcher: subprocess.Popen, rng: random.R
                 break  # gone past it in this cycle
             time.sleep(POLL)
         passed.add(target)
+        if bridge:
+            return None
 
 
 def differing(ours: Path, theirs: Path) -> str:
