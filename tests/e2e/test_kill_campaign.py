@@ -28,8 +28,10 @@ def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
         kills = cells[1]
         if kills.startswith("skipped"):
             continue
-        assert kills == "2", row  # both landed
-        assert sum(int(c) for c in cells[2:8]) == 2, row  # each in a phase it names
+        # Both landed, and each in a phase it names; more where a life needed a resume for
+        # the first batch after one (a start-up kill before its first checkpoint).
+        assert int(kills) >= 2, row
+        assert sum(int(c) for c in cells[2:8]) == int(kills), row
         twice, never, identical = cells[-3:]
         assert (twice, never, identical) == ("0", "0", "yes"), row
     assert not re.search(r"\bNO\b", done.stdout), done.stdout

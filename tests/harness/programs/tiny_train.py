@@ -31,7 +31,8 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="exit 3 at this step (only on the first start)")
     parser.add_argument("--crash-at-step", type=int, default=None,
-                        help="die of SIGSEGV at this step, at every start (a bug)")
+                        help="die of SIGSEGV at this step, at every start (a bug), once "
+                             "the checkpoints in flight are durable")
     parser.add_argument("--hang-at-step", type=int, default=None,
                         help="stop making progress after this step (only on the first start)")
     parser.add_argument("--finish-at-step", type=int, default=None,
@@ -96,6 +97,9 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
                     and ckpt.restart == 0:
                 raise SystemExit(3)
             if ckpt.step + 1 == args.crash_at_step:
+                # Once the checkpoints in flight are durable: where the restart resumes from
+                # must not depend on how fast the machine wrote them.
+                ckpt.flush()
                 os.kill(os.getpid(), signal.SIGSEGV)
             print(f"step {ckpt.step + 1}", flush=True)
             if ckpt.step + 1 == args.finish_at_step:
