@@ -47,8 +47,9 @@ Cases (each needs what it imports; one that cannot run says why):
     python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
 
 Prints one table: per case, the kills and the phase each hit, how many killed the whole tree,
-the lives, the resumes, samples trained twice and never, and whether the final weights are
-bit-identical. Exits 1 if any case is not exact.
+the lives, the resumes, the steps lost (trained, then dropped by a resume from an earlier
+checkpoint: in all, and a kill's mean), samples trained twice and never, and whether the final
+weights are bit-identical. Exits 1 if any case is not exact.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class Result:
     kills: collections.Counter = field(default_factory=collections.Counter)
     tree_kills: int = 0
     resumes: int = 0
+    lost: int = 0  # steps trained, then dropped by a resume from before them
     twice: int = 0
     never: int = 0
     identical: bool = False
@@ -137,19 +139,23 @@ class Result:
     note: str = ""
 
 
-def trained_steps(text: str) -> dict[tuple[int, int], list[int]]:
+def trained_steps(text: str) -> tuple[dict[tuple[int, int], list[int]], int]:
     """The steps the final weights were trained on: each (step, rank)'s sample ids, the steps
-    a killed run trained after the checkpoint the next run resumed from dropped."""
+    a killed run trained after the checkpoint the next run resumed from dropped; and how many
+    steps were so dropped (trained again: the work the kills lost; rank 0's count)."""
     text = text.replace("resumed ", "\nresumed ").replace("step ", "\nstep ")
     steps: dict[tuple[int, int], list[int]] = {}
+    lost = 0
     for line in text.splitlines():
         if m := re.fullmatch(r"resumed (\d+)(?: rank (\d+))?", line.strip()):
             resumed, rank = int(m.group(1)), int(m.group(2) or 0)  # (each rank says its own)
-            steps = {key: ids for key, ids in steps.items() if key[0] <= resumed
-                     or key[1] != rank}
+            kept = {key: ids for key, ids in steps.items() if key[0] <= resumed
+                    or key[1] != rank}
+            lost += (len(steps) - len(kept)) if rank == 0 else 0
+            steps = kept
         elif m := re.fullmatch(r"step (\d+)(?: rank (\d+))? trained((?: \d+)+)", line.strip()):
             steps[int(m.group(1)), int(m.group(2) or 0)] = [int(i) for i in m.group(3).split()]
-    return steps
+    return steps, lost
 
 
 def count(case: Case, steps: dict[tuple[int, int], list[int]]) -> tuple[int, int]:
@@ -342,7 +348,9 @@ def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa:
             return
     text = stdout.read_text(errors="replace")
     result.resumes += len(re.findall(r"resumed [1-9]", text)) // case.ranks
-    twice, never = count(case, trained_steps(text))
+    steps, lost = trained_steps(text)
+    twice, never = count(case, steps)
+    result.lost += lost
     result.twice += twice
     result.never += never
     if not out_pt.exists():  # killed after it finished: its weights, from the script alone
@@ -428,19 +436,25 @@ def s3_server(servers: contextlib.ExitStack) -> dict[str, str]:
 
 
 def table(results: dict[str, Result]) -> str:
-    rows = [("case", "kills", *PHASES, "whole tree", "lives", "resumes", "twice", "never",
-             "bit-identical")]
+    rows = [("case", "kills", *PHASES, "whole tree", "lives", "resumes", "steps lost",
+             "twice", "never", "bit-identical")]
     for name, r in results.items():
         if r.note.startswith("skipped"):
             rows.append((name, r.note, *[""] * (len(rows[0]) - 2)))
             continue
         rows.append((name, str(sum(r.kills.values())), *[str(r.kills[p]) for p in PHASES],
-                     str(r.tree_kills), str(r.lives), str(r.resumes), str(r.twice),
+                     str(r.tree_kills), str(r.lives), str(r.resumes), _lost(r), str(r.twice),
                      str(r.never),
                      ("yes" if r.identical else "NO") + (f" ({r.note})" if r.note else "")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |"
                      for row in rows)
+
+
+def _lost(r: Result) -> str:
+    """The steps the kills lost, in all and their mean a kill."""
+    kills = sum(r.kills.values())
+    return f"{r.lost} ({r.lost / kills:.1f} a kill)" if kills else str(r.lost)
 
 
 def main(argv: list[str] | None = None) -> int:
