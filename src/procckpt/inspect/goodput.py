@@ -29,12 +29,15 @@ from typing import Any
 
 __all__ = ["KINDS", "Segment", "Cycle", "Goodput", "compute_goodput"]
 
-#: The parts of the wall time, in the order they are shown.
-#: A restart's phases, in order, as the training journals them (training/link/timing.py);
-#: ``spawn_and_imports`` where no process start time splits them.
-RECOVERY_KEYS = ("backoff", "spawn", "imports", "spawn_and_imports", "checkpointer", "restore",
-                 "first_step")
+#: A restart's phases, in order, as the training journals them (training/link/timing.py;
+#: ``spawn_and_imports`` where no process start time splits them), and their names in the
+#: status and the report.
+RECOVERY_PHASES = (("backoff", "back-off"), ("spawn", "start"), ("imports", "imports and model"),
+                   ("spawn_and_imports", "start, imports and model"),
+                   ("checkpointer", "Checkpointer"), ("restore", "restore"),
+                   ("first_step", "first step"))
 
+#: The parts of the wall time, in the order they are shown.
 KINDS = ("training", "startup", "restore", "replay", "checkpoint_stall", "lost", "idle", "queue")
 
 #: How a cycle ended (the launcher's ``cycle-end`` event): the work up to its last moment was
@@ -99,7 +102,7 @@ class Goodput:
         of its first resumed step); empty before any restart was timed."""
         sums: dict[str, float] = {}
         for r in self.recoveries:
-            for key in (*RECOVERY_KEYS, "total"):
+            for key in (*(k for k, _ in RECOVERY_PHASES), "total"):
                 if isinstance(r.get(key), (int, float)):
                     sums[key] = sums.get(key, 0.0) + float(r[key])
         return sums

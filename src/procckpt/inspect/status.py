@@ -13,7 +13,7 @@ from ..errors import CheckpointReadError, ProcckptError, StoreError
 from ..protocol.events import read_events, unreadable_lines
 from ..store import MARKER, CheckpointStore
 from ..store.directory import format_size
-from .goodput import Goodput, compute_goodput
+from .goodput import RECOVERY_PHASES, Goodput, compute_goodput
 
 __all__ = ["render_status", "status_data", "LABELS"]
 
@@ -153,13 +153,6 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
 LABELS = {"training": "training", "startup": "startup", "restore": "restore",
           "replay": "replay", "checkpoint_stall": "checkpoint stalls", "lost": "lost work",
           "idle": "idle", "queue": "queued"}
-
-
-#: A restart's phases, in order, as the training journals them (training/link/timing.py).
-RECOVERY_PHASES = (("backoff", "back-off"), ("spawn", "start"), ("imports", "imports and model"),
-                   ("spawn_and_imports", "start, imports and model"),
-                   ("checkpointer", "Checkpointer"), ("restore", "restore"),
-                   ("first_step", "first step"))
 
 
 def recovery_line(history: list[dict[str, Any]]) -> str | None:
