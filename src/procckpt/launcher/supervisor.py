@@ -305,7 +305,8 @@ class Supervisor(RunLoop):
         asked = self.config.restart_on_failure
         # By default a crash is restarted only after a checkpoint of its own cycle: an OOM
         # kill at hour 30 goes on, a bug that crashes again before saving anything ends here.
-        saved = self._latest_step() != self._cycle_from
+        where = self._latest_step()
+        saved = where != self._cycle_from
         own = (f" (the command's own code: procckpt's {code} would have said why above)"
                if code in OWN_EXIT_CODES and outcome.procckpt_code is None else "")
         if asked is None and not saved:
@@ -318,7 +319,6 @@ class Supervisor(RunLoop):
         if asked is not False and restarts < self.config.max_restarts:
             # Failures with no new checkpoint in between, whatever their exit codes (a crash
             # whose code alternates is no progress either): they will most likely repeat.
-            where = self._latest_step()
             self._same_failures = self._same_failures + 1 \
                 if self._failure_codes and where == self._last_failure else 1
             self._failure_codes = [*self._failure_codes[:self._same_failures - 1], code]
