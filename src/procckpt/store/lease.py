@@ -212,23 +212,15 @@ class PrefixLease:
     def _read(self) -> tuple[dict[str, Any], str] | None:
         """The lease's record and ETag, or None if there is none (an unreadable record is
         some launcher's, whose liveness its ETag still tells)."""
-        from botocore.exceptions import ClientError
-
-        try:
-            with self.tier._failing("reading the lease of"):
-                got = self.tier._client.get_object(Bucket=self.tier.bucket, Key=self.key)
-                body = got["Body"].read()
-        except StorageError as e:
-            cause = e.__cause__
-            if isinstance(cause, ClientError) and \
-                    cause.response["Error"]["Code"] in ("NoSuchKey", "404"):
-                return None
-            raise
+        got = self.tier._get_with_etag(self.key, "reading the lease of")
+        if got is None:
+            return None
+        body, etag = got
         try:
             record = json.loads(body)
         except ValueError:
             record = None
-        return (record if isinstance(record, dict) else {}), got["ETag"]
+        return (record if isinstance(record, dict) else {}), etag
 
     def _put(self, *, if_none_match: bool = False, if_match: str | None = None) -> bool:
         """Put this launcher's record under a condition; False if the condition failed."""

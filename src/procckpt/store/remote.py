@@ -176,11 +176,17 @@ class S3Tier:
 
     def _get(self, key: str, what: str) -> bytes | None:
         """The object at ``key``; None if there is none."""
+        got = self._get_with_etag(key, what)
+        return None if got is None else got[0]
+
+    def _get_with_etag(self, key: str, what: str) -> tuple[bytes, str] | None:
+        """The object at ``key`` and its ETag; None if there is none."""
         from botocore.exceptions import ClientError
 
         try:
             with self._failing(what):
-                return self._client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+                got = self._client.get_object(Bucket=self.bucket, Key=key)
+                return got["Body"].read(), got["ETag"]
         except StorageError as e:
             if isinstance(e.__cause__, ClientError) and \
                     e.__cause__.response["Error"]["Code"] in ("NoSuchKey", "404"):
