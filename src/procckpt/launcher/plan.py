@@ -43,29 +43,31 @@ class CheckpointPlan:
                              self.deadline.signal_lead, self._gap)
 
     def refresh(self, step_seconds: float | None, gap: float | None = None, *,
-                warn_cycle: int | None = None) -> bool:
+                cycle: int | None = None, start: bool = False) -> bool:
         """Read the journal's new checkpoints and plan again; True if the period changed.
 
         Args:
             step_seconds: the training's seconds per step, where known (hang.py measures it).
             gap: the longest time between two safe points in a row, where known (hang.py).
-            warn_cycle: at a cycle's start: say (and journal) a grace too short for the costs,
-                once (again only when the lead grew by a tenth since).
+            cycle: the cycle running: say (and journal) a grace too short for the costs as soon
+                as a checkpoint measured shows it, once (again only when the lead grew by a
+                tenth since): a run that ends in its first cycle is told too.
+            start: at the cycle's start: plan even if the journal holds nothing new.
         """
         costs = self.costs
         self._step_seconds = step_seconds
         changed = costs.update()
         self._gap = max(gap or 0.0, costs.longest_gap or 0.0) or None
-        if not changed and warn_cycle is None and self._planned:
+        if not changed and not start and self._planned:
             return False
         durable = costs.longest_durable
-        if warn_cycle is not None:
+        if cycle is not None:
             lead = self.lead
             if lead.warning and (self._warned is None or lead.seconds > 1.1 * self._warned):
                 self._warned = lead.seconds
                 logger.warning("%s", lead.warning)
                 append_event(self.journal, "grace-short", lead=round(lead.seconds, 3),
-                             message=lead.warning, cycle=warn_cycle)
+                             message=lead.warning, cycle=cycle)
         period = choose_period(self.config.interval, self.config.mtbf, costs.pause,
                                durable[0] if durable else None)
         old, self.period, self._planned = self.period, period, True

@@ -415,7 +415,7 @@ class Supervisor(RunLoop):
         self.engine.child_started(child.pid)
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
         self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,
-                          warn_cycle=self.cycles)
+                          cycle=self.cycles, start=True)
         logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
                     child.pid, self.deadline.source,
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"

@@ -236,7 +236,7 @@ class CycleWatch:
 
     def _learn(self) -> None:
         """Follow the journal: a measured checkpoint may change the period and the lead."""
-        if self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap):
+        if self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap, cycle=self.cycle):
             period = self.plan.period.seconds
             self.next_interval = self.interval_from + period if period is not None else None
 
