@@ -252,12 +252,14 @@ def test_accelerate_with_gradient_accumulation_checks_exact_and_resumes_bit_iden
                                       f"{stopped}, "), done.stdout
         assert (f"asked to stop at step {at}, the run could take its checkpoint only at step "
                 f"{stopped}" in done.stdout) == (at != stopped), done.stdout
-    expected = reference(workdir, "accelerate", "--accumulate", "2")
+    # 80 steps of 0.5 s (40 s) against cycles that train at most 16.5 s: at least two
+    # deadline restarts however quickly the machine starts Accelerate.
+    expected = reference(workdir, "accelerate", "--accumulate", "2", "--epochs", "4")
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                "--grace", "4s", "--max-restarts", "40", "--",
-               *command("accelerate", "--accumulate", "2", "--step-sleep", "0.5", "--out",
-                        str(out))], cwd=workdir, timeout=600)
+               *command("accelerate", "--accumulate", "2", "--epochs", "4", "--step-sleep",
+                        "0.5", "--out", str(out))], cwd=workdir, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
     saved = [e["step"] for e in events(ckpt, "checkpoint")]
