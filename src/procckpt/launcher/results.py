@@ -64,6 +64,9 @@ class CycleOutcome:
     #: The exit code procckpt itself ended the command (a rank of it) with: 65, 66, 74 (or
     #: None: the command's code is its own). Under torchrun a rank's code comes through here.
     procckpt_code: int | None = None
+    #: procckpt ended a rank with a usage error (exit 2: the script uses it wrongly, say a
+    #: second pass of batches() in an epoch), which every restart would meet again.
+    usage_error: bool = False
 
     @property
     def stop_text(self) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..durations import format_duration
-from ..errors import EX_AUDIT, EX_DATAERR, EX_IOERR
+from ..errors import EX_AUDIT, EX_DATAERR, EX_IOERR, EX_USAGE
 from ..protocol import control as ctl
 from ..protocol.events import append_event
 from ..protocol.group import LeaderBoard
@@ -309,6 +309,12 @@ class Supervisor(RunLoop):
         saved = where != self._cycle_from
         own = (f" (the command's own code: procckpt's {code} would have said why above)"
                if code in OWN_EXIT_CODES and outcome.procckpt_code is None else "")
+        if outcome.usage_error:
+            return self._exit(ExitReason.FAILED, command_code=code, message=
+                              f"the command {ended}: procckpt ended it for the usage error "
+                              "above, which a restart would meet again: not restarted. Fix "
+                              "the script; running the same command again "
+                              f"{resumes_from(self.store, verb='resumes')}", error=True)
         if asked is None and not saved:
             return self._exit(ExitReason.FAILED, command_code=code, message=
                               f"the command {ended}{own} before it saved a checkpoint in this "
@@ -453,7 +459,9 @@ class Supervisor(RunLoop):
                                                signalled)
         complete = self.store.completion()
         outcome.finished = bool(complete) and (complete or {}).get("token") in (token, None)
-        outcome.procckpt_code = procckpt_code(self.engine.procckpt_exits(), outcome.exit_code)
+        notes = self.engine.procckpt_exits()
+        outcome.procckpt_code = procckpt_code(notes, outcome.exit_code)
+        outcome.usage_error = any(note.get("code") == EX_USAGE for note in notes or [])
         outcome.audit_refused = outcome.procckpt_code == EX_AUDIT or any(
             str(f.get("error", "")).startswith(ctl.AUDIT_REFUSED) for f in self.engine.failures())
         outcome.lost_nodes = self._lost_nodes(outcome)
