@@ -45,6 +45,10 @@ Cases (each needs what it imports; one that cannot run says why):
                here): written to a local dir, then uploaded; a kill may land in an upload
 
     python benchmarks/kill_campaign.py [--kills 25] [--cases plain,stateful,...] [--seed 0]
+                                       [--crash]
+
+``--crash`` kills the training alone every time (crashes: an OOM kill, a segfault), so that the
+steps lost a kill measure the memory tier (docs/crashes.md) rather than the periodic interval.
 
 Prints one table: per case, the kills and the phase each hit, how many killed the whole tree,
 the lives, the resumes, the steps lost (trained, then dropped by a resume from an earlier
@@ -257,7 +261,7 @@ def training_pids(launcher: int, program: str) -> list[int]:
 
 
 def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
-             servers: contextlib.ExitStack) -> Result:
+             servers: contextlib.ExitStack, crash: bool = False) -> Result:
     """``kills`` kills of ``case``, over as many lives (a training from scratch to its end)
     as it takes for them all to land; every life is counted and compared on its own."""
     result = Result(identical=True)
@@ -290,16 +294,17 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
     rng.shuffle(phases)  # (fewer kills than phases: which ones, at random)
     deck = [phases[i % len(phases)] for i in range(kills)]
     for round_ in range(1, 2 * kills + 3):  # (a life may end before a kill lands)
-        one_life(case, folder, folder / f"life-{round_}", deck, rng, env, result)
+        one_life(case, folder, folder / f"life-{round_}", deck, rng, env, result, crash)
         if not deck or result.note:
             break
     return result
 
 
 def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa: C901, PLR0912, PLR0915 (one kill loop)
-             rng: random.Random, env: dict[str, str], result: Result) -> None:
+             rng: random.Random, env: dict[str, str], result: Result,
+             crash: bool = False) -> None:
     """A training from scratch to its end, killed at phases drawn from ``deck`` (each kill
-    that lands takes its phase out of it)."""
+    that lands takes its phase out of it); with ``crash``, the training alone each time."""
     life_dir.mkdir()
     ckpt, stdout, stderr = life_dir / "ckpt", life_dir / "stdout.txt", life_dir / "stderr.txt"
     local = ckpt  # where a checkpoint is written first
@@ -323,7 +328,8 @@ def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa:
             target = aim(deck, watch, launcher, rng)
             if target is None:
                 continue  # no phase of the deck in this cycle: it runs on to its end
-            pids = [] if rng.random() < 0.5 else training_pids(launcher.pid, case.program)
+            pids = training_pids(launcher.pid, case.program) \
+                if crash or rng.random() >= 0.5 else []
             landed = watch.phase()
             if pids:  # the training alone (or, where none is found yet, the whole tree)
                 os.kill(rng.choice(pids), signal.SIGKILL)
@@ -463,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the cases' directories")
+    parser.add_argument("--crash", action="store_true",
+                        help="kill the training alone every time (an OOM kill): with the "
+                             "memory tier, the steps lost a kill are a few")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     unknown = [n for n in names if n not in CASES]
@@ -474,7 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.ExitStack() as servers:  # an S3 server, once a case needs one
             for name in names:
-                results[name] = run_case(name, CASES[name], args.kills, rng, work, servers)
+                results[name] = run_case(name, CASES[name], args.kills, rng, work, servers,
+                                         args.crash)
                 print(f"{name}: done", file=sys.stderr, flush=True)
     finally:
         if args.keep:

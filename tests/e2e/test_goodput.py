@@ -29,11 +29,13 @@ FAIL_AT = 40
 def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """A run with slow starts (3 s before the Checkpointer), 20 s cycles, and a crash of its
     first cycle (exit 3 at step 40, two seconds into training, before any checkpoint; the
-    cycle leaves room for imports that take 10 s under load)."""
+    cycle leaves room for imports that take 10 s under load). Without the memory tier, whose
+    kept steps test_memory_tier.py counts: here the crash keeps nothing."""
     workdir = tmp_path_factory.mktemp("goodput")
     ckpt = workdir / "ckpt"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
-               "3s", "--restart-on-failure", "--max-restarts", "20", "--", *TINY,
+               "3s", "--restart-on-failure", "--max-restarts", "20", "--no-memory-tier", "--",
+               *TINY,
                "--epochs", str(EPOCHS), "--step-sleep", str(STEP_SLEEP), "--start-seconds", "3",
                "--fail-at-step", str(FAIL_AT)], cwd=workdir, timeout=400)
     assert res.returncode == 0, res.stderr[-4000:]

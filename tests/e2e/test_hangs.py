@@ -39,10 +39,13 @@ def test_a_hung_script_is_caught_its_stacks_logged_and_it_resumes_to_the_same_re
     assert where in res.stderr, res.stderr[-3000:]
     assert [e["cause"] for e in events(ckpt, "restart")] == ["hang"]
     resumed = [e for e in events(ckpt, "resume")]
-    # From the last periodic checkpoint before the hang (one every second: ~20 steps apart).
+    # From the newest state before the hang: the periodic checkpoints (one every second: ~20
+    # steps apart), and the memory tier's slot that the launcher kept after the hang's kill.
     (restart,) = events(ckpt, "restart")
     before = [e["step"] for e in events(ckpt, "checkpoint") if e["time"] <= restart["time"]]
-    assert resumed and resumed[0]["step"] == max(before), (resumed, before)
+    kept = [e["step"] for e in events(ckpt, "tier-kept")]
+    assert resumed and resumed[0]["step"] == max(before + kept), (resumed, before, kept)
+    assert all(step <= 49 for step in kept), kept
     # Periodic checkpoints went on until the hang (how many steps apart depends on the load).
     assert len(before) >= 2 and resumed[0]["step"] > 0, (resumed, before)
     assert took < 90

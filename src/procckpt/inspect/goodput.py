@@ -265,6 +265,8 @@ def _paint(c: Cycle) -> None:  # noqa: C901 (a branch per part of a cycle)
                 marks.append((t - took, t, "checkpoint_stall"))
                 kept_to = t
             c.checkpoints.append(t)
+        elif kind == "tier-kept" and isinstance(e.get("saved_at"), (int, float)):
+            kept_to = max(kept_to or c.start, float(e["saved_at"]))  # (after the cycle's end)
         elif kind == "complete":
             complete = t
         elif kind == "warm":

@@ -42,6 +42,9 @@ def status_data(root: Path, *, events: int = 8, verify: bool = True) -> dict[str
         "hangs": _count(history, "hang"),
         "last_recovery": next((e for e in reversed(history) if e.get("event") == "recovery"),
                               None),
+        "memory_tier": next((e for e in reversed(history) if e.get("event") == "memory-tier"),
+                            None),
+        "tier_kept": [e for e in history if e.get("event") == "tier-kept"],
         "audits": [{k: e.get(k) for k in ("checkpoint", "epoch", "batch", "step", "verdict")}
                    for e in history if e.get("event") == "audit"],
         "checkpoints": _checkpoints(store, history, verify),
@@ -139,6 +142,8 @@ def render_status(root: Path, *, events: int = 8, verify: bool = True) -> str:
         every = "none" if not isinstance(seconds, (int, float)) else \
             f"every {format_duration(seconds)}"
         lines.append(f"periodic checkpoints: {every} ({period.get('why', '?')})")
+    if (tier := tier_line(history)) is not None:
+        lines.append(tier)
     if history and events > 0:
         lines.append("last events:")
         for e in history[-events:]:
@@ -172,6 +177,26 @@ def recovery_line(history: list[dict[str, Any]]) -> str | None:
             parts.append(f"{name} {seconds:.2f}s{more}")
     return (f"last restart: {last['total']:.2f}s from the end of the cycle before to the end "
             f"of the first resumed step: {', '.join(parts)}")
+
+
+def tier_line(history: list[dict[str, Any]]) -> str | None:
+    """The memory tier as the last cycle planned it, and what it gave (docs/crashes.md):
+    'memory tier: 64.0 MB a slot, every 12 steps (the copy takes ...); 2 crashes resumed from
+    it, the last at step 1841'; None where it never wrote a slot nor was turned off."""
+    last = next((e for e in reversed(history) if e.get("event") == "memory-tier"), None)
+    if last is None:
+        return None
+    kept = [e for e in history if e.get("event") == "tier-kept"]
+    if "off" in last:
+        line = f"memory tier: off, {last['off']}"
+    else:
+        every = last.get("every")
+        line = (f"memory tier: {format_size(last.get('bytes') or 0)} a slot, every "
+                f"{'step' if every == 1 else f'{every} steps'} ({last.get('why', '?')})")
+    if kept:
+        line += (f"; {len(kept)} crash{'es' if len(kept) > 1 else ''} resumed from it, the "
+                 f"last at step {kept[-1].get('step', '?')}")
+    return line
 
 
 def audit_line(history: list[dict[str, Any]]) -> str | None:

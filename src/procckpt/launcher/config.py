@@ -196,6 +196,11 @@ class RunConfig:
         "--restart-on-failure restarts that too (until 3 in a row), --no-restart-on-failure "
         "none.", _bool, kind="switch",
         shown_default="after a checkpoint of the crashed cycle")
+    memory_tier: bool = _option(
+        True, "Keep the training's newest state every few steps in memory that the launcher "
+        "holds (a tmpfs directory), so that a crash (an OOM kill, a segfault) resumes from "
+        "there instead of the last checkpoint: the hooks engine, one process.", _bool,
+        kind="switch")
     engine: str = _option("auto", "Snapshot engine.", _engine, "|".join(ENGINES))
     keep: int = _option(2, "Keep the last N checkpoints (plus the best).", _int(1), "N")
     force: bool = _option(

@@ -16,6 +16,7 @@ from .config import RunConfig
 from .deadline import Deadline, LocalDeadline, NoDeadline
 from .engines import Engine
 from .restart import LocalRestart, RestartPolicy
+from .tier import memory_tier
 
 __all__ = ["launch", "Scheduled"]
 
@@ -62,7 +63,9 @@ def launch(config: RunConfig, scheduled: Scheduled) -> int:
         store.fetch_remote()  # a new node: its newest checkpoint is in the prefix
         engine = _engine_for(config, store)
         deadline, policy = scheduled(config) or _local(config)
-        return Supervisor(config, store, engine, deadline, policy).run().exit_code
+        with memory_tier(config.memory_tier and config.nodes == 1, engine.name) as tier:
+            return Supervisor(config, store, engine, deadline, policy,
+                              tier=tier).run().exit_code
 
 
 def _lease(store: CheckpointStore) -> contextlib.AbstractContextManager[object]:

@@ -47,6 +47,7 @@ from .restart import RestartPolicy, StopCause
 from .results import CycleOutcome, ExitReason, RunResult, exit_words
 from .said import newest_intact, restart_number, resumes_from
 from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
+from .tier import LauncherTier
 from .watch import CycleWatch, log_confirmed
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
@@ -76,6 +77,7 @@ class Supervisor(RunLoop):
     def __init__(self, config: RunConfig, store: CheckpointStore, engine: Engine,
                  deadline: Deadline, policy: RestartPolicy, *,
                  extra_env: dict[str, str] | None = None,
+                 tier: LauncherTier | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  child_factory: Callable[..., Child] = Child,
                  wait_signals: Callable[[float], list[int]] | None = None,
@@ -85,7 +87,10 @@ class Supervisor(RunLoop):
         self.engine = engine
         self.deadline = deadline
         self.policy = policy
-        self.extra_env = extra_env or {}
+        #: The memory tier (tier.py): the newest state the training kept there is copied to
+        #: the store after each cycle where it is newer than the newest checkpoint.
+        self.tier = tier
+        self.extra_env = {**(extra_env or {}), **(tier.env() if tier is not None else {})}
         self._clock = clock
         self._child_factory = child_factory
         self._wait = wait_signals
@@ -138,6 +143,8 @@ class Supervisor(RunLoop):
         while True:
             self.cycles += 1
             outcome = self._run_cycle(restarts)
+            if self.tier is not None:
+                self.tier.keep_newest(self.store, self.cycles)
             # A command that has checkpointed before, or whose script imports procckpt, and
             # merely started too slowly (torchrun and its workers under load) makes no
             # progress; it is not unable to.

@@ -37,6 +37,7 @@ from .link.timing import CycleTimer
 from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
+from .save.tier import TierWriter
 from .saving import Saves, background_savers, frozen_chunks
 from .state.first_step import ADVICE, StateExpectation, live_state
 from .state.member import CheckpointerAsMember
@@ -123,8 +124,7 @@ class Checkpointer:
             local, remote = dir_and_remote(dir)
             self.dir = local.absolute()
             self.store = CheckpointStore(self.dir, keep=keep, journal=append_event, remote=remote)
-            self.restart = context.restart
-            self.rank = context.rank
+            self.restart, self.rank = context.restart, context.rank
             self.is_writer = self.rank == 0
             #: The events journal, for the rank that writes it (rank 0).
             self._journal = self.store.events_path if self.is_writer else None
@@ -162,6 +162,9 @@ class Checkpointer:
                                 is_writer=self.is_writer, group=group_writes,
                                 frozen=frozen_chunks(self.store, self._statefuls, self.is_writer))
             self._saves.longest_gap = lambda: self._liveness.longest_gap
+            #: The newest state every few steps in the launcher's memory (save/tier.py).
+            self._tier = TierWriter.from_environment(
+                self._journal, group=self._dist is not None or not self.is_writer)
 
             if self.is_writer:
                 self.store.open()
@@ -301,6 +304,9 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for a checkpoint in flight, then release the checkpoint dir (done at exit)."""
         self._liveness.close()
+        tier = getattr(self, "_tier", None)  # (set late in __init__)
+        if tier is not None:
+            tier.close()
         self._audit.flush()
         try:
             if self._background is not None:
@@ -360,8 +366,25 @@ class Checkpointer:
         self._timer.at_safe_point(now)
         try:
             self._act_at_safe_point(now, epoch_end, defer)
+            if self._tier is not None:
+                self._keep_in_tier(now, defer)
         finally:
             self._liveness.left_safe_point()
+
+    def _keep_in_tier(self, now: float, defer: bool) -> None:
+        """The memory tier's turn at this safe point: not where a checkpoint was just taken,
+        nor where one would wait for the next safe point (an epoch's last batch)."""
+        assert self._tier is not None
+        if self.store.adopt is not None:  # (set by an integration after __init__)
+            logger.info("memory tier: not used: each checkpoint holds files the framework "
+                        "writes itself; a crash resumes from the newest checkpoint")
+            self._tier.close()
+            self._tier = None
+            return
+        position = self._progress.position
+        self._tier.at_safe_point(now, not defer and self._saves.saved_at != position,
+                                 lambda: self._meta("memory"), self._payload,
+                                 lambda: self._audit.saved(position))
 
     def _act_at_safe_point(self, now: float, epoch_end: bool, defer: bool = False) -> None:
         self._check.at_safe_point(self, epoch_end, defer=defer)  # under procckpt check only

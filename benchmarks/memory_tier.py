@@ -1,0 +1,208 @@
+"""What a crash costs with the memory tier (docs/crashes.md): a training with 64 MB of state
+and 25-ms steps under ``procckpt run --restart-on-failure``, its training process SIGKILLed at
+random moments, as an OOM kill would; every figure a ratio taken in this one run.
+
+    python benchmarks/memory_tier.py [--kills 8] [--mb 64] [--step-ms 25] [--seed 0]
+
+Prints, against the targets of issue 55:
+
+- steps lost a crash (trained, then trained again after the restart), in seconds of steps
+  (target: at most 1 s);
+- the time from the kill to the first resumed step, against ``python -c "import torch"``
+  measured here (target: at most 1.0x; a restart starts a fresh interpreter, so it is more
+  until restarts start warm);
+- the tier's cost a step: the time of 300 steps with the tier against without, alternated,
+  medians (target: at most 1 %);
+- how fast the restarts restored their state (the kept slot, read back from the checkpoint
+  dir; target: at least 3 GB/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PYTHON = sys.executable
+PROCCKPT = [PYTHON, "-m", "procckpt"]
+
+
+def train(args: argparse.Namespace) -> None:
+    """The training: a linear layer, Adam and a running average, ``--mb`` MB of state."""
+    import torch
+    from torch import nn
+
+    from procckpt import Checkpointer
+
+    torch.manual_seed(0)
+    # Parameters, Adam's two moments and the average: four copies of the weights.
+    width = int((args.mb * 1e6 / 16) ** 0.5)
+    model = nn.Linear(width, width, bias=False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    average = torch.zeros_like(model.weight)
+    ckpt = Checkpointer(model=model, optimizer=optimizer)
+    ckpt.extras["average"] = average
+    x = torch.randn(16, width)
+    step_seconds = args.step_ms / 1e3
+    print(f"resumed {ckpt.step} {time.time():.4f}", flush=True)
+    for _ in ckpt.steps(args.steps):
+        started = time.perf_counter()
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        with torch.no_grad():
+            average.mul_(0.99).add_(model.weight, alpha=0.01)
+        print(f"step {ckpt.step + 1} {time.time():.4f}", flush=True)
+        time.sleep(max(0.0, step_seconds - (time.perf_counter() - started)))
+
+
+def _steps(text: str) -> list[tuple[int, float]]:
+    return [(int(m[1]), float(m[2])) for m in re.finditer(r"^step (\d+) ([\d.]+)$", text,
+                                                          re.M)]
+
+
+def _import_torch() -> float:
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        subprocess.run([PYTHON, "-c", "import torch"], check=True)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def _launch(work: Path, name: str, train_args: list[str], *options: str,
+            ) -> tuple[subprocess.Popen[str], Path, Path]:
+    folder = work / name
+    folder.mkdir()
+    out, err = folder / "stdout", folder / "stderr"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*PROCCKPT, "run", "--dir", str(folder / "ckpt"), *options, "--",
+                             PYTHON, __file__, "--train", *train_args], cwd=folder, env=env,
+                            stdout=open(out, "w"), stderr=open(err, "w"), text=True,
+                            start_new_session=True)
+    return proc, out, err
+
+
+def _step_cost(work: Path, train_args: list[str], rounds: int) -> tuple[float, float]:
+    """Median seconds of steps 50..300 without and with the tier, alternated."""
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for i in range(rounds):
+        for tier in (False, True):
+            proc, out, err = _launch(work, f"cost-{i}-{tier}", [*train_args, "--steps", "300"],
+                                     "--memory-tier" if tier else "--no-memory-tier",
+                                     "--interval", "off")
+            if proc.wait() != 0:
+                raise SystemExit(f"the training failed: {err.read_text()[-2000:]}")
+            steps = dict(_steps(out.read_text()))
+            times[tier].append(steps[300] - steps[50])
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
+def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
+             ) -> tuple[list[int], list[float], list[float], str]:
+    """Kill the training ``kills`` times; the steps each lost, the seconds from each kill to
+    the first resumed step, the restores' speeds (bytes/s), the launcher's log."""
+    proc, out, err = _launch(work, "crashes", [*train_args, "--steps", "100000"],
+                             "--restart-on-failure", "--max-restarts", str(kills + 5))
+    lost, recoveries = [], []
+    try:
+        for _ in range(kills):
+            seen = len(_steps(out.read_text()))
+            deadline = time.monotonic() + 600
+            while len(_steps(out.read_text())) < seen + 40:  # the restart trained a second
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    err.read_text()[-3000:]
+                time.sleep(0.05)
+            time.sleep(rng.uniform(1.0, 5.0))
+            pid = _training_pid(err)
+            assert pid is not None, err.read_text()[-3000:]
+            killed_at = time.time()
+            os.kill(pid, signal.SIGKILL)
+            while _training_pid(err) == pid:
+                assert proc.poll() is None, err.read_text()[-3000:]
+                time.sleep(0.02)
+            deadline = time.monotonic() + 600
+            while True:
+                text = out.read_text()
+                resumed = [m for m in re.finditer(r"^resumed (\d+) ", text, re.M)]
+                after = [(s, t) for s, t in _steps(text[resumed[-1].end():])] \
+                    if resumed else []
+                if after:
+                    break
+                assert time.monotonic() < deadline, err.read_text()[-3000:]
+                time.sleep(0.02)
+            before = [s for s, t in _steps(text[:resumed[-1].start()]) if t <= killed_at]
+            lost.append(max(before) - int(resumed[-1][1]))
+            recoveries.append(after[0][1] - killed_at)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    journal = [json.loads(line) for line in
+               (out.parent / "ckpt" / "events.jsonl").read_text().splitlines()]
+    speeds = [e["bytes"] / e["restore"] for e in journal
+              if e.get("event") == "recovery" and e.get("restore") and e.get("bytes")]
+    return lost, recoveries, speeds, err.read_text()
+
+
+def _training_pid(err: Path) -> int | None:
+    found = re.findall(r"cycle \d+: started .* \(pid (\d+)", err.read_text())
+    return int(found[-1]) if found else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=8)
+    parser.add_argument("--mb", type=float, default=64.0)
+    parser.add_argument("--step-ms", type=float, default=25.0)
+    parser.add_argument("--rounds", type=int, default=3, help="alternated runs for the cost")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=300, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.train:
+        train(args)
+        return 0
+    train_args = ["--mb", str(args.mb), "--step-ms", str(args.step_ms)]
+    work = Path(tempfile.mkdtemp(prefix="memory-tier-"))
+    try:
+        cold = _import_torch()
+        plain, tiered = _step_cost(work, train_args, args.rounds)
+        lost, recoveries, speeds, log = _crashes(work, train_args, args.kills,
+                                                 random.Random(args.seed))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    step = args.step_ms / 1e3
+    said = re.search(r"memory tier: .*", log)
+    rows = [
+        ("state", f"{args.mb:.0f} MB, steps of {args.step_ms:.0f} ms; "
+                  f"{said[0] if said else 'the tier said nothing'}"),
+        ("steps lost a crash", f"median {statistics.median(lost):.0f}, max {max(lost)} "
+                               f"({max(lost) * step:.2f} s of steps; target <= 1 s) over "
+                               f"{len(lost)} kills"),
+        ("kill -> first resumed step", f"median {statistics.median(recoveries):.2f} s = "
+                                       f"{statistics.median(recoveries) / cold:.1f}x "
+                                       f"`import torch` ({cold:.2f} s; target <= 1.0x)"),
+        ("the tier's cost a step", f"{tiered / plain - 1:+.1%} (250 steps: {plain:.2f} s "
+                                   f"without, {tiered:.2f} s with; target <= 1 %)"),
+        ("restore", (f"median {statistics.median(speeds) / 1e9:.2f} GB/s from the kept slot "
+                     "(target >= 3 GB/s)") if speeds else "no restore timed"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

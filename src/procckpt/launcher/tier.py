@@ -1,0 +1,182 @@
+"""The memory tier the launcher holds: the training's newest state, kept where a crash of the
+training cannot take it (issue 55).
+
+The launcher makes a directory on a memory file system (``/dev/shm``, or
+``$PROCCKPT_MEMORY_TIER_ROOT``) and hands its path to the command. The training
+(training/save/tier.py) writes its state there every few steps, as checkpoints of a store of
+their own: each is complete (its manifest, with sizes and CRCs, is written last and renamed
+into place), so one torn by a kill is simply not there. The launcher never reads the state
+while the training runs (its memory stays small). When a cycle ends, the newest slot that is
+newer than the newest checkpoint of the run's store is copied into that store as a checkpoint
+like any other, before any restart: the next cycle resumes from it through the usual path,
+audit included. A lost launcher or node loses the tier; the store's checkpoints remain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import ProcckptError
+from ..protocol.control import ENV_TIER
+from ..protocol.events import append_event
+from ..store import CheckpointInfo, CheckpointStore
+from ..store.files import format_size
+
+__all__ = ["LauncherTier", "memory_tier", "ENV_TIER_ROOT", "DEFAULT_ROOT"]
+
+logger = logging.getLogger(__name__)
+
+#: Where the launcher makes its tier directory (a memory file system); a test seam too.
+ENV_TIER_ROOT = "PROCCKPT_MEMORY_TIER_ROOT"
+DEFAULT_ROOT = Path("/dev/shm")
+_PREFIX = "procckpt-tier-"
+#: Manifest keys the store writes itself; the rest is the checkpoint's meta.
+_STORE_KEYS = frozenset({"format", "seq", "time", "host", "pid", "files", "bytes", "chunks",
+                         "written"})
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        return "noboot"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _on_memory(root: Path) -> bool:
+    """Whether ``root`` is on tmpfs (or ramfs): a tier on a disk would be a slow second store."""
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return False
+    best, fstype = "", ""
+    real = os.path.realpath(root)
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, fstype = point, parts[2]
+    return fstype in ("tmpfs", "ramfs")
+
+
+class LauncherTier:
+    """One launcher's tier directory; :meth:`keep_newest` copies its newest slot to the store."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.store = CheckpointStore(path, keep=2)
+
+    def env(self) -> dict[str, str]:
+        return {ENV_TIER: str(self.path)}
+
+    def size(self) -> int:
+        """Bytes the tier holds now (its slots on the memory file system)."""
+        total = 0
+        for dirpath, _, files in os.walk(self.path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(dirpath, name)).st_size
+        return total
+
+    def keep_newest(self, store: CheckpointStore, cycle: int) -> CheckpointInfo | None:
+        """Copy the tier's newest intact slot into ``store`` if it is newer than the newest
+        checkpoint there; the checkpoint made, or None. Never raises for the tier's sake: a
+        failure here leaves the store as it was, and the run goes on from it."""
+        try:
+            slots = self.store.checkpoints()
+            if not slots or slots[0].step is None:
+                return None
+            held = store.checkpoints()
+            newest = held[0].step if held else None
+            if newest is not None and newest >= slots[0].step:
+                return None
+            slot = self.store.newest_intact()  # the CRCs read: a torn slot is passed over
+            if slot is None or slot.step is None or (newest is not None and newest >= slot.step):
+                return None
+            started = time.monotonic()
+            meta = {k: v for k, v in slot.manifest.items() if k not in _STORE_KEYS}
+            with store.begin(meta) as pending:
+                for name in slot.manifest["files"]:
+                    pending.adopt_file(slot.path / name, copy=True)
+                info = pending.commit()
+            seconds = time.monotonic() - started
+        except (OSError, ProcckptError) as e:
+            logger.warning("could not keep the memory tier's newest state in %s (%s); the next "
+                           "cycle resumes from the newest checkpoint there", store.root, e)
+            return None
+        logger.info("kept step %s from the memory tier as checkpoint %s (%s in %.2fs)",
+                    info.step, info.name, format_size(info.nbytes), seconds)
+        append_event(store.events_path, "tier-kept", checkpoint=info.name, step=info.step,
+                     epoch=info.epoch, batch=meta.get("batch"), bytes=info.nbytes,
+                     seconds=round(seconds, 4), before=newest, cycle=cycle,
+                     saved_at=slot.manifest.get("time"))
+        store.prune()
+        return info
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _sweep(root: Path) -> None:
+    """Remove tiers that launchers killed on this machine left behind (their pid is gone):
+    memory on a shared node that nobody would free until it reboots."""
+    boot = _boot_id()
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            parts = entry.name[len(_PREFIX):].split("-")
+            if not entry.name.startswith(_PREFIX) or len(parts) < 3 or parts[0] != boot:
+                continue
+            with contextlib.suppress(ValueError):
+                if not _alive(int(parts[1])):
+                    shutil.rmtree(entry, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def memory_tier(enabled: bool, engine: str) -> Iterator[LauncherTier | None]:
+    """The run's tier while the run lasts (None where there is none: said once why)."""
+    if not enabled:
+        yield None
+        return
+    if engine != "hooks":
+        logger.info("memory tier: not with the %s engine (it images the whole process)", engine)
+        yield None
+        return
+    root = Path(os.environ.get(ENV_TIER_ROOT) or DEFAULT_ROOT)
+    if not root.is_dir() or not _on_memory(root):
+        logger.warning("memory tier: off, %s is not a memory file system (tmpfs); a crash "
+                       "resumes from the newest checkpoint (set %s to a tmpfs directory, or "
+                       "pass --no-memory-tier to say so)", root, ENV_TIER_ROOT)
+        yield None
+        return
+    _sweep(root)
+    path = root / f"{_PREFIX}{_boot_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.mkdir(mode=0o700)
+    except OSError as e:
+        logger.warning("memory tier: off, cannot make %s (%s)", path, e.strerror or e)
+        yield None
+        return
+    tier = LauncherTier(path)
+    try:
+        yield tier
+    finally:
+        tier.remove()

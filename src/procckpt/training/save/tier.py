@@ -1,0 +1,222 @@
+"""The training's side of the memory tier (launcher/tier.py): its newest state, every few steps,
+in memory the launcher holds.
+
+At a safe point where no checkpoint is taken, :class:`TierWriter` copies the state into a host
+arena of its own (the training's only pause) and a thread writes the copy as a checkpoint of a
+store in the launcher's tmpfs directory, keeping the newest two. The cadence follows what the
+copy costs: a slot at every safe point where that is at most 1 % of the time between safe
+points, else every k of them; never while the previous slot is still being written. Before the
+first slot, the room for it is checked (the memory file system, the machine, the cgroup): a
+tier that does not fit is said in one line, and the training goes on without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...errors import ProcckptError
+from ...protocol.control import ENV_TIER
+from ...protocol.events import append_event
+from ...store import CheckpointStore
+from ...store.files import format_size
+from .arena import HostArena, NotSnapshottable, Snapshot
+from .writer import payload_bytes, write_checkpoint
+
+__all__ = ["TierWriter", "BUDGET", "tier_room"]
+
+logger = logging.getLogger(__name__)
+
+#: The share of the training's time the tier may take from it (the copy at a safe point).
+BUDGET = 0.01
+#: Slots kept, plus the one being written: what the memory file system must hold.
+_FILES = 3
+#: Left free on the machine or in the cgroup beyond the tier's own need.
+_MARGIN = 256 << 20
+
+
+def _cgroup_room() -> int | None:
+    """Bytes this process's cgroup (v2) may still charge, or None where it sets no limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("0::"):
+            base = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+            try:
+                limit = (base / "memory.max").read_text().strip()
+                used = int((base / "memory.current").read_text())
+            except (OSError, ValueError):
+                return None
+            return None if limit == "max" else int(limit) - used
+    return None
+
+
+def _available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def tier_room(root: Path, nbytes: int) -> str | None:
+    """Why a tier of ``nbytes`` a slot does not fit here, or None if it does: its files in
+    ``root`` and one host copy in memory, with a margin, in the file system, the machine's
+    available memory and the cgroup's limit."""
+    files = _FILES * nbytes
+    need = files + nbytes + _MARGIN
+    try:
+        st = os.statvfs(root)
+        free = st.f_bavail * st.f_frsize
+    except OSError as e:
+        return f"cannot see the room in {root} ({e.strerror or e})"
+    if free < files:
+        return (f"its {_FILES} slots of {format_size(nbytes)} need {format_size(files)} in "
+                f"{root.parent}, which has {format_size(free)} free")
+    needs = (f"it needs {format_size(need)} of memory ({_FILES} slots and a copy of "
+             f"{format_size(nbytes)}, and a margin)")
+    available = _available()
+    if available is not None and available < need:
+        return f"{needs}, and the machine has {format_size(available)} available"
+    room = _cgroup_room()
+    if room is not None and room < need:
+        return f"{needs}, and this process's cgroup may take {format_size(max(room, 0))} more"
+    return None
+
+
+class TierWriter:
+    """Writes the state into the launcher's tier every few safe points (see the module)."""
+
+    def __init__(self, root: Path, journal: Path | None) -> None:
+        self.root = root
+        self.store = CheckpointStore(root, keep=2)
+        self.journal = journal
+        self.arena = HostArena()
+        #: Why the tier is off for the rest of this process, once it is.
+        self.off: str | None = None
+        #: Write a slot every this many safe points (planned from the measured copy).
+        self.every = 1
+        self.slots = 0
+        self._since = 0
+        self._last_point: float | None = None
+        self._gaps: deque[float] = deque(maxlen=15)
+        self._stalls: deque[float] = deque(maxlen=5)
+        self._nbytes = 0
+        self._thread: threading.Thread | None = None
+        self._said_every: int | None = None
+
+    @classmethod
+    def from_environment(cls, journal: Path | None, group: bool) -> TierWriter | None:
+        """The tier the launcher made for this command, if any (none in a group yet)."""
+        path = os.environ.get(ENV_TIER)
+        if not path:
+            return None
+        if group:
+            logger.info("memory tier: not used by a group of processes yet; a crash resumes "
+                        "from the newest checkpoint")
+            return None
+        writer = cls(Path(path), journal)
+        try:
+            writer.store.open()
+            writer.store.clean_temporaries()  # a slot torn by the last process's kill
+        except (OSError, ProcckptError) as e:
+            writer._turn_off(f"cannot use {path} ({e})")
+            return None
+        return writer
+
+    def at_safe_point(self, now: float, write: bool, meta: Callable[[], dict[str, Any]],
+                      payload: Callable[[], dict[str, Any]],
+                      before: Callable[[], None]) -> None:
+        """Count a safe point; with ``write`` (no checkpoint was taken here), write a slot
+        when its turn came. ``before`` runs just before a slot is copied (the audit's note)."""
+        last, self._last_point = self._last_point, now
+        if last is not None:
+            self._gaps.append(now - last)
+        if self.off is not None or not write:
+            return
+        self._since += 1
+        if self._since < self.every or not self._gaps:
+            return  # (not at the first safe point: no step time measured yet)
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            return  # the previous slot is still being written
+        started = time.perf_counter()
+        state = payload()
+        if self.slots == 0 and not self._nbytes:
+            self._nbytes = payload_bytes(state)
+            room = tier_room(self.root, self._nbytes)
+            if room is not None:
+                self._turn_off(room)
+                return
+        before()
+        try:
+            snapshot = self.arena.capture(state)
+        except NotSnapshottable as e:
+            self._turn_off(f"the state holds {e}, which cannot be copied into host memory")
+            return
+        self._stalls.append(time.perf_counter() - started)
+        self._since = 0
+        self._nbytes = snapshot.nbytes
+        self._plan()
+        self._thread = threading.Thread(target=self._write, args=(snapshot, meta()),
+                                         name="procckpt-tier", daemon=True)
+        self._thread.start()
+
+    def _plan(self) -> None:
+        step = statistics.median(self._gaps)
+        stall = statistics.median(self._stalls)
+        every = max(1, math.ceil(stall / (BUDGET * step))) if step > 0 else 1
+        self.every = every
+        said = self._said_every
+        # Said (and journalled) when new or moved by over half: the copy's time wavers.
+        if said is None or not said / 1.5 <= every <= said * 1.5:
+            self._said_every = every
+            why = (f"the copy takes {_ms(stall)}, {BUDGET:.0%} of a step of {_ms(step)} is "
+                   f"{_ms(BUDGET * step)}")
+            if said is None:  # in the log once; the journal (procckpt status) follows it
+                logger.info("memory tier: %s a slot in %s, written every %s (%s)",
+                            format_size(self._nbytes), self.root, "step" if every == 1
+                            else f"{every} steps", why)
+            if self.journal is not None:
+                append_event(self.journal, "memory-tier", bytes=self._nbytes, every=every,
+                             why=why, copy=round(stall, 5), step_seconds=round(step, 5),
+                             root=str(self.root))
+
+    def _write(self, snapshot: Snapshot, meta: dict[str, Any]) -> None:
+        try:
+            snapshot.wait_copied()  # (a GPU's copies land on their own stream)
+            write_checkpoint(self.store, meta, snapshot.payload)
+            self.store.prune()
+            self.slots += 1
+        except (OSError, ProcckptError) as e:
+            self._turn_off(f"a slot could not be written ({e})")
+
+    def _turn_off(self, why: str) -> None:
+        self.off = why
+        logger.warning("memory tier: off, %s; a crash resumes from the newest checkpoint "
+                       "(--no-memory-tier says so without this line)", why)
+        if self.journal is not None:
+            append_event(self.journal, "memory-tier", off=why, root=str(self.root))
+        self.arena.release()
+
+    def close(self) -> None:
+        """Wait for a slot in flight (its thread is a daemon: a kill loses only that slot)."""
+        thread = self._thread
+        if thread is not None:
+            thread.join()
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"

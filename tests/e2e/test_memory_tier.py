@@ -1,0 +1,156 @@
+"""The memory tier (issue 55): a training killed as the OOM killer kills resumes from the state
+it kept every few steps in the launcher's memory, not from its last checkpoint; a slot torn by
+the kill is passed over; a launcher killed too leaves the store to resume from and its tier to
+the next launcher's sweep; a tier that does not fit is said in one line and the run goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from procckpt.store.pending import ENV_COMMIT_PAUSE
+
+from ..conftest import assert_bit_identical, mounted_tmpfs, procckpt_argv, run
+from ..harness.processes import TINY, events, reference
+
+#: 32 steps an epoch (batch 32), 96 in all, 50 ms each.
+ARGS = ["--epochs", "3", "--n", "1024", "--step-sleep", "0.05"]
+
+
+def _launch(workdir: Path, ckpt: Path, out: Path, *options: str,
+            env: dict[str, str] | None = None) -> tuple[subprocess.Popen[str], Path]:
+    err = workdir / "launcher.err"
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("PROCCKPT_TOKEN", None)
+    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), *options, "--",
+                             *TINY, *ARGS, "--out", str(out)], cwd=workdir, env=full_env,
+                            text=True, stdout=subprocess.PIPE, stderr=open(err, "w"))
+    return proc, err
+
+
+def _training_pid(ckpt: Path) -> int:
+    return events(ckpt, "cycle")[-1]["pid"]
+
+
+def _tier_root(ckpt: Path) -> Path:
+    return Path(next(e["root"] for e in events(ckpt, "memory-tier") if "root" in e))
+
+
+def test_a_training_killed_twice_resumes_from_the_memory_tier_bit_identical(workdir: Path):
+    """SIGKILL at step 20, then again in the middle of writing a slot past step 60 (every
+    slot's commit slowed by 0.2 s): each restart resumes within a few steps of the kill, from
+    the newest complete slot; by default, as a crash after a checkpoint of its cycle is."""
+    expected = reference(workdir, *ARGS)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    proc, err = _launch(workdir, ckpt, out, "--interval", "off",
+                        env={ENV_COMMIT_PAUSE: "0.1"})
+    kills: list[int] = []
+    torn = False
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if not line.startswith("step "):
+                continue
+            step = int(line.split()[1])
+            if not kills and step >= 20:
+                os.kill(_training_pid(ckpt), signal.SIGKILL)
+                kills.append(step)
+            elif len(kills) == 1 and step >= 60:
+                slots = _tier_root(ckpt) / "checkpoints"
+                if any(p.name.startswith(".tmp-ckpt-") for p in slots.iterdir()) \
+                        or step >= 90:
+                    torn = step < 90
+                    os.kill(_training_pid(ckpt), signal.SIGKILL)
+                    kills.append(step)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = err.read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    assert len(kills) == 2 and torn, (kills, stderr[-3000:])
+    kept = events(ckpt, "tier-kept")
+    assert [k["cycle"] for k in kept] == [1, 2], kept
+    # Within 10 steps (half a second) of each kill: without the tier the first restart would
+    # start from step 0 (no checkpoint at all), and by default the run would have ended.
+    for kill, k in zip(kills, kept):
+        assert kill - 10 <= k["step"] <= kill, (kills, kept)
+    assert [e["step"] for e in events(ckpt, "resume")] == [k["step"] for k in kept]
+    assert "restarting in 2.0s (it saved a checkpoint in this cycle" in stderr, stderr[-3000:]
+    assert_bit_identical(expected, out)
+    assert not _tier_root(ckpt).exists()  # the launcher removed its tier at the end
+    status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
+    line = next(x for x in status.stdout.splitlines() if x.startswith("memory tier: "))
+    assert " a slot, every " in line and "of a step of" in line, line
+    assert line.endswith(f"2 crashes resumed from it, the last at step {kept[-1]['step']}"), line
+
+
+def test_a_killed_launcher_leaves_the_store_to_resume_from_and_its_tier_to_be_swept(
+        workdir: Path):
+    """Launcher and training SIGKILLed together after two periodic checkpoints: the tier dies
+    with its launcher (its memory is swept by the next launcher on the machine), and the next
+    launch resumes from the newest checkpoint of the store, bit-identical."""
+    expected = reference(workdir, *ARGS)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    with mounted_tmpfs(workdir / "shm", "64m") as shm:
+        env = {"PROCCKPT_MEMORY_TIER_ROOT": str(shm)}
+        proc, err = _launch(workdir, ckpt, out, "--interval", "1s", env=env)
+        try:
+            deadline = time.monotonic() + 240
+            while len(events(ckpt, "checkpoint")) < 2 or not events(ckpt, "memory-tier"):
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    err.read_text()[-3000:]
+                time.sleep(0.05)
+            training = _training_pid(ckpt)
+            proc.kill()
+            os.kill(training, signal.SIGKILL)
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        left = _tier_root(ckpt)
+        assert left.is_dir()  # what a killed launcher leaves behind
+        newest = max(e["step"] for e in events(ckpt, "checkpoint"))
+        again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s", "--",
+                     *TINY, *ARGS, "--out", str(out)], cwd=workdir, env=env, timeout=300)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert events(ckpt, "resume")[0]["step"] == newest, again.stderr[-3000:]
+        assert not left.exists(), list(shm.iterdir())
+        assert list(shm.iterdir()) == []  # and its own is gone at its end
+    assert_bit_identical(expected, out)
+
+
+def test_a_tier_without_room_is_said_in_one_line_and_the_run_goes_on(workdir: Path):
+    """A memory file system of 64 KiB cannot hold three slots of this state (35 KB)."""
+    expected = reference(workdir, *ARGS)
+    ckpt, out = workdir / "ckpt", workdir / "out.pt"
+    with mounted_tmpfs(workdir / "shm", "64k") as shm:
+        res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, *ARGS, "--out",
+                   str(out)], cwd=workdir, env={"PROCCKPT_MEMORY_TIER_ROOT": str(shm)},
+                  timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in res.stderr.splitlines() if "memory tier: off" in line]
+    assert len(said) == 1 and "its 3 slots of " in said[0] and " KB free" in said[0], said
+    assert "crash resumes from the newest checkpoint" in said[0]
+    assert [e for e in events(ckpt, "memory-tier") if "off" in e]
+    assert not events(ckpt, "tier-kept")
+    assert_bit_identical(expected, out)
+
+
+def test_a_crash_that_repeats_at_one_step_ends_the_run_in_a_line(workdir: Path):
+    """SIGSEGV at step 40 at every start (a bug): the tier keeps the steps before it, the
+    restart resumes there and crashes again, and once a cycle crashes without a newer slot
+    the run ends in one line, after at most two restarts."""
+    ckpt = workdir / "ckpt"
+    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "off", "--", *TINY,
+               *ARGS, "--crash-at-step", "40"], cwd=workdir, timeout=300)
+    assert res.returncode == 128 + 11, res.stderr[-3000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert "before it saved a checkpoint in this cycle, so a restart would most likely fail " \
+        "the same way: not restarted" in last, last
+    kept = events(ckpt, "tier-kept")
+    assert kept and all(30 <= k["step"] < 40 for k in kept), kept
+    assert 1 <= len(events(ckpt, "restart")) <= 2, res.stderr[-3000:]

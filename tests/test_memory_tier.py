@@ -1,0 +1,114 @@
+"""The memory tier's two halves on real files: the training's writer (its cadence, its room
+check) and the launcher's copy of the newest complete slot into the store."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from procckpt.launcher.tier import LauncherTier, _sweep, memory_tier
+from procckpt.protocol.events import read_events
+from procckpt.store import CheckpointStore
+from procckpt.training.save.tier import TierWriter, tier_room
+from procckpt.training.save.writer import write_checkpoint
+
+from .conftest import mounted_tmpfs
+
+
+def _slot(tier: Path, step: int) -> None:
+    store = CheckpointStore(tier, keep=2).open()
+    write_checkpoint(store, {"step": step, "epoch": 0, "batch": step, "reason": "memory"},
+                     {"w": torch.full((1000,), float(step))})
+
+
+def test_the_newest_complete_slot_is_kept_once_and_only_when_newer(tmp_path: Path):
+    tier, store = LauncherTier(tmp_path / "tier"), CheckpointStore(tmp_path / "ckpt").open()
+    assert tier.keep_newest(store, 1) is None  # nothing written yet
+    _slot(tier.path, 5)
+    _slot(tier.path, 7)
+    # A slot torn by the kill: written, never committed.
+    (tier.path / "checkpoints" / ".tmp-ckpt-00000003-1-abc").mkdir()
+    kept = tier.keep_newest(store, 1)
+    assert kept is not None and kept.step == 7 and kept.manifest["reason"] == "memory"
+    loaded = torch.load(kept.path / "state.pt", weights_only=True)
+    assert torch.equal(loaded["w"], torch.full((1000,), 7.0))
+    assert store.verify(kept.path) is None
+    assert tier.keep_newest(store, 2) is None  # the store holds step 7 already
+    (event,) = [e for e in read_events(store.events_path) if e["event"] == "tier-kept"]
+    assert event["step"] == 7 and event["cycle"] == 1 and event["saved_at"] > 0
+
+
+def test_a_damaged_newest_slot_is_passed_over_for_the_one_before(tmp_path: Path):
+    tier, store = LauncherTier(tmp_path / "tier"), CheckpointStore(tmp_path / "ckpt").open()
+    _slot(tier.path, 5)
+    _slot(tier.path, 7)
+    newest = tier.store.checkpoints()[0]
+    with open(newest.path / "state.pt", "r+b") as f:
+        f.seek(-100, os.SEEK_END)
+        f.write(b"\xff" * 8)
+    kept = tier.keep_newest(store, 1)
+    assert kept is not None and kept.step == 5
+
+
+def test_the_tier_is_said_off_where_it_has_no_room(tmp_path: Path):
+    with mounted_tmpfs(tmp_path / "small", "64k") as small:
+        (small / "tier").mkdir()
+        why = tier_room(small / "tier", 40_000)
+    assert why is not None and why.startswith("its 3 slots of 40.0 KB need 120.0 KB in "), why
+    assert why.endswith(f"{small}, which has 65.5 KB free"), why
+    assert tier_room(tmp_path, 1000) is None  # (this disk has room for 3 kB)
+
+
+def test_a_slot_is_written_every_k_safe_points_as_its_copy_allows(tmp_path: Path,
+                                                                  monkeypatch):
+    monkeypatch.setenv("PROCCKPT_MEMORY_TIER_DIR", str(tmp_path / "tier"))
+    journal = tmp_path / "events.jsonl"
+    writer = TierWriter.from_environment(journal, group=False)
+    assert writer is not None
+    state = {"w": torch.randn(4 << 20)}  # 16 MB: a copy of milliseconds
+    step = 0
+
+    def safe_point(now: float) -> None:
+        writer.at_safe_point(now, True, lambda: {"step": step, "epoch": 0, "batch": step},
+                             lambda: state, lambda: None)
+
+    for step in range(1, 30):
+        safe_point(step * 0.01)  # steps of 10 ms: 1 % is 0.1 ms, less than any copy
+        writer.close()
+    assert writer.every > 1
+    planned = [e for e in read_events(journal) if e["event"] == "memory-tier"]
+    assert planned and planned[0]["every"] > 1 and planned[0]["bytes"] >= 16 << 20
+    slots = writer.store.checkpoints()
+    assert 1 <= len(slots) <= 2 and slots[0].step < 30
+    assert TierWriter.from_environment(journal, group=True) is None  # not in a group yet
+
+
+def test_tiers_left_by_dead_launchers_are_swept_and_live_ones_kept(tmp_path: Path):
+    with mounted_tmpfs(tmp_path / "shm", "1m") as shm:
+        os.environ["PROCCKPT_MEMORY_TIER_ROOT"] = str(shm)
+        try:
+            with memory_tier(True, "hooks") as tier:
+                assert tier is not None and tier.path.parent == shm
+                boot = tier.path.name.split("-")[2]
+                dead = shm / f"procckpt-tier-{boot}-999999999-deadbeef"
+                dead.mkdir()
+                _sweep(shm)
+                assert not dead.exists() and tier.path.exists()
+            assert not tier.path.exists()
+            with memory_tier(True, "dmtcp") as none:
+                assert none is None
+        finally:
+            del os.environ["PROCCKPT_MEMORY_TIER_ROOT"]
+
+
+def test_a_tier_root_on_a_disk_is_refused(tmp_path: Path, monkeypatch,
+                                          caplog: pytest.LogCaptureFixture):
+    monkeypatch.setenv("PROCCKPT_MEMORY_TIER_ROOT", str(tmp_path))
+    with memory_tier(True, "hooks") as tier:
+        on_memory = tier is not None
+    if on_memory:
+        pytest.skip(f"{tmp_path} is on a memory file system here")
+    assert "is not a memory file system (tmpfs)" in caplog.text
