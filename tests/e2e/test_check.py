@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,16 +19,20 @@ from ..conftest import EXAMPLES, PROGRAMS, PYTHON, procckpt_argv, run
 
 def check(workdir: Path, *command: str, steps: int = 12,
           writes: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """``procckpt check`` with its scratch dirs under ``workdir/tmp`` (TMPDIR), so that a
-    test can see that it cleans up after itself; ``writes``: what the command itself writes
-    into its working directory."""
-    tmp = workdir / "tmp"
-    tmp.mkdir(exist_ok=True)
-    done = run([*procckpt_argv(), "check", "--steps", str(steps), "--", *command], cwd=workdir,
-               timeout=600, env={"TMPDIR": str(tmp)})
-    # (torch keeps caches of its own there: torchinductor_root, torchelastic_*)
-    assert not list(tmp.glob("procckpt-check-*")), "the check left its runs behind"
-    assert sorted(p.name for p in workdir.iterdir()) == sorted(["tmp", *writes]), \
+    """``procckpt check`` with its scratch dirs in a TMPDIR of its own, so that a test can
+    see that it cleans up after itself; ``writes``: what the command itself writes into its
+    working directory. The TMPDIR is short, in /tmp: DataLoader workers share tensors through
+    a Unix socket there, whose path may not exceed 107 bytes (pytest's own dirs, numbered
+    upwards, crossed that once and hung the workers)."""
+    tmp = Path(tempfile.mkdtemp(prefix="ck-", dir="/tmp"))
+    try:
+        done = run([*procckpt_argv(), "check", "--steps", str(steps), "--", *command],
+                   cwd=workdir, timeout=600, env={"TMPDIR": str(tmp)})
+        # (torch keeps caches of its own there: torchinductor_root, torchelastic_*)
+        assert not list(tmp.glob("procckpt-check-*")), "the check left its runs behind"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    assert sorted(p.name for p in workdir.iterdir()) == sorted(writes), \
         "the check wrote into the cwd"
     return done
 
