@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from procckpt.launcher.tier import LauncherTier, _sweep, memory_tier
+from procckpt.launcher.tier import LauncherTier, memory_tier
 from procckpt.protocol.events import read_events
+from procckpt.protocol.leftovers import sweep_dead
 from procckpt.store import CheckpointStore
 from procckpt.training.save.tier import TierWriter, tier_room
 from procckpt.training.save.writer import write_checkpoint
@@ -95,7 +96,7 @@ def test_tiers_left_by_dead_launchers_are_swept_and_live_ones_kept(tmp_path: Pat
                 boot = tier.path.name.split("-")[2]
                 dead = shm / f"procckpt-tier-{boot}-999999999-deadbeef"
                 dead.mkdir()
-                _sweep(shm)
+                assert sweep_dead(shm, "procckpt-tier-") == [dead]
                 assert not dead.exists() and tier.path.exists()
             assert not tier.path.exists()
             with memory_tier(True, "dmtcp") as none:

@@ -19,13 +19,13 @@ import logging
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import ProcckptError
 from ..protocol.control import ENV_TIER
 from ..protocol.events import append_event
+from ..protocol.leftovers import make_owned_dir, sweep_dead
 from ..store import CheckpointInfo, CheckpointStore
 from ..store.files import format_size
 
@@ -40,23 +40,6 @@ _PREFIX = "procckpt-tier-"
 #: Manifest keys the store writes itself; the rest is the checkpoint's meta.
 _STORE_KEYS = frozenset({"format", "seq", "time", "host", "pid", "files", "bytes", "chunks",
                          "written"})
-
-
-def _boot_id() -> str:
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        return "noboot"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _on_memory(root: Path) -> bool:
@@ -136,20 +119,6 @@ class LauncherTier:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _sweep(root: Path) -> None:
-    """Remove tiers that launchers killed on this machine left behind (their pid is gone):
-    memory on a shared node that nobody would free until it reboots."""
-    boot = _boot_id()
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():
-            parts = entry.name[len(_PREFIX):].split("-")
-            if not entry.name.startswith(_PREFIX) or len(parts) < 3 or parts[0] != boot:
-                continue
-            with contextlib.suppress(ValueError):
-                if not _alive(int(parts[1])):
-                    shutil.rmtree(entry, ignore_errors=True)
-
-
 @contextlib.contextmanager
 def memory_tier(enabled: bool, engine: str) -> Iterator[LauncherTier | None]:
     """The run's tier while the run lasts (None where there is none: said once why)."""
@@ -167,12 +136,12 @@ def memory_tier(enabled: bool, engine: str) -> Iterator[LauncherTier | None]:
                        "pass --no-memory-tier to say so)", root, ENV_TIER_ROOT)
         yield None
         return
-    _sweep(root)
-    path = root / f"{_PREFIX}{_boot_id()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    sweep_dead(root, _PREFIX)
     try:
-        path.mkdir(mode=0o700)
+        path = make_owned_dir(root, _PREFIX)
     except OSError as e:
-        logger.warning("memory tier: off, cannot make %s (%s)", path, e.strerror or e)
+        logger.warning("memory tier: off, cannot make a directory in %s (%s)", root,
+                       e.strerror or e)
         yield None
         return
     tier = LauncherTier(path)

@@ -20,10 +20,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .leftovers import make_owned_dir, sweep_dead
+
 __all__ = ["ENV_EXITS", "ExitNotes", "leave_exit_note"]
 
 ENV_EXITS = "PROCCKPT_EXITS"
 _PREFIX = "exit-"
+_DIR_PREFIX = "procckpt-exits-"
 #: Where a launcher's notes folder goes, first that is a writable directory.
 _MEMORY = ("/dev/shm",)
 
@@ -33,7 +36,9 @@ class ExitNotes:
 
     def __init__(self) -> None:
         where = next((d for d in _MEMORY if os.path.isdir(d) and os.access(d, os.W_OK)), None)
-        self.dir = Path(tempfile.mkdtemp(prefix="procckpt-exits-", dir=where))
+        root = Path(where or tempfile.gettempdir())
+        sweep_dead(root, _DIR_PREFIX)  # what killed launchers left
+        self.dir = make_owned_dir(root, _DIR_PREFIX)
 
     def read(self) -> list[dict[str, Any]]:
         """The notes the cycle's ranks left, by rank."""
