@@ -345,11 +345,15 @@ class Supervisor(RunLoop):
                                   "between, so it would fail again: not restarted. Fix the "
                                   "cause; running the same command again "
                                   f"{resumes_from(self.store, verb='resumes')}", error=True)
-            delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 1))
+            # The first failure after progress restarts at once (a crash costs its restart's
+            # start-up, no more); one after no new checkpoint waits 2 s, then 4 s, ...
+            delay = 0.0 if self._same_failures == 1 else \
+                min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** (self._same_failures - 2))
             why = "--restart-on-failure" if asked else \
                 "it saved a checkpoint in this cycle; --no-restart-on-failure ends the run instead"
-            logger.warning("the command %s; restarting in %s (%s): the next cycle %s", ended,
-                           format_duration(delay), why, resumes_from(self.store))
+            logger.warning("the command %s; restarting %s (%s): the next cycle %s", ended,
+                           f"in {format_duration(delay)}" if delay else "at once", why,
+                           resumes_from(self.store))
             append_event(self.store.events_path, "restart", restart=restarts + 1,
                          cause="failure", exit_code=code)
             self._carried_signals += self._sleep(delay)
