@@ -48,7 +48,9 @@ Cases (each needs what it imports; one that cannot run says why):
                                        [--crash]
 
 ``--crash`` kills the training alone every time (crashes: an OOM kill, a segfault), so that the
-steps lost a kill measure the memory tier (docs/crashes.md) rather than the periodic interval.
+steps lost a kill measure the memory tier (docs/crashes.md) rather than the periodic interval;
+``PROCCKPT_MEMORY_TIER=false`` in the environment runs the launchers without it, to compare.
+The commit pause (below) holds the tier's slots too.
 
 Prints one table: per case, the kills and the phase each hit, how many killed the whole tree,
 the lives, the resumes, the steps lost (trained, then dropped by a resume from an earlier

@@ -171,9 +171,10 @@ def recovery_line(history: list[dict[str, Any]]) -> str | None:
     for key, name in RECOVERY_PHASES:
         seconds = last.get(key)
         if isinstance(seconds, (int, float)):
-            restored = last.get("bytes")
-            more = f" ({format_size(restored)})" if key == "restore" and \
-                isinstance(restored, int) else ""
+            restored, source = last.get("bytes"), last.get("source")
+            more = ", ".join(([format_size(restored)] if isinstance(restored, int) else [])
+                             + ([f"from {source}"] if isinstance(source, str) else []))
+            more = f" ({more})" if key == "restore" and more else ""
             parts.append(f"{name} {seconds:.2f}s{more}")
     return (f"last restart: {last['total']:.2f}s from the end of the cycle before to the end "
             f"of the first resumed step: {', '.join(parts)}")

@@ -179,8 +179,7 @@ class Checkpointer:
                 with self._liveness.working():
                     self.resumed_from = self._resume()
                 self._liveness.step = self.step
-                self._timer.ready(self.restore_seconds, None if self.resumed_from is None
-                                  else self.resumed_from.nbytes)
+                self._timer.ready(self.restore_seconds, *self._restored())
             except BaseException:
                 self.close()  # a refused checkpoint must not leave the dir locked by a dead object
                 raise
@@ -348,6 +347,14 @@ class Checkpointer:
                 self._audit.expect_state(StateExpectation(
                     prints, lambda: live_state(self._statefuls), advice or ADVICE, counters))
         return info
+
+    def _restored(self) -> tuple[int | None, str | None]:
+        """The bytes of the state this process resumed from, and where it was kept."""
+        resumed = self.resumed_from
+        if resumed is None:
+            return None, None
+        memory = resumed.manifest.get("reason") == "memory"  # (a slot the launcher kept)
+        return resumed.nbytes, "the memory tier" if memory else "the checkpoint dir"
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return load_newest_verified(self.store, lambda info, payload: apply_payload(

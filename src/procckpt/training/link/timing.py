@@ -32,13 +32,18 @@ class CycleTimer:
         self._created = time.time()
         self._recovery: dict[str, Any] | None = None
 
-    def ready(self, restore_seconds: float | None, restored_bytes: int | None = None) -> None:
+    def ready(self, restore_seconds: float | None, restored_bytes: int | None = None,
+              source: str | None = None) -> None:
+        """The Checkpointer is ready; ``source``: where the state it restored was kept (the
+        memory tier or the checkpoint dir)."""
         if self.journal is None:
             return
         self._marks.append(time.monotonic())
         ready = time.time()  # (the same moment: the journal's write below is no phase)
         append_event(self.journal, "ready", restore=round(restore_seconds or 0.0, 4))
         self._recovery = _recovery_start(self._created, ready, restore_seconds, restored_bytes)
+        if self._recovery is not None and source is not None:
+            self._recovery["source"] = source
 
     def at_safe_point(self, now: float) -> None:
         """Called at every safe point; cheap once the first two steps are measured."""

@@ -12,6 +12,7 @@ tier that does not fit is said in one line, and the training goes on without it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -161,15 +162,18 @@ class TierWriter:
                 self._turn_off(room)
                 return
         before()
+        allocations = self.arena.allocations
         try:
             snapshot = self.arena.capture(state)
         except NotSnapshottable as e:
             self._turn_off(f"the state holds {e}, which cannot be copied into host memory")
             return
-        self._stalls.append(time.perf_counter() - started)
+        if self.arena.allocations == allocations:  # (a copy that first made its buffer is
+            self._stalls.append(time.perf_counter() - started)  # no measure of the next)
         self._since = 0
         self._nbytes = snapshot.nbytes
-        self._plan()
+        if self._stalls:
+            self._plan()
         self._thread = threading.Thread(target=self._write, args=(snapshot, meta()),
                                          name="procckpt-tier", daemon=True)
         self._thread.start()
@@ -195,6 +199,9 @@ class TierWriter:
                              root=str(self.root))
 
     def _write(self, snapshot: Snapshot, meta: dict[str, Any]) -> None:
+        # The training comes first: where it leaves no core idle, the slot waits for it.
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             snapshot.wait_copied()  # (a GPU's copies land on their own stream)
             write_checkpoint(self.store, meta, snapshot.payload)
