@@ -168,6 +168,9 @@ class TierWriter:
         except NotSnapshottable as e:
             self._turn_off(f"the state holds {e}, which cannot be copied into host memory")
             return
+        except (MemoryError, RuntimeError) as e:  # (the tier must never end the training)
+            self._turn_off(f"the copy failed ({type(e).__name__}: {e})")
+            return
         if self.arena.allocations == allocations:  # (a copy that first made its buffer is
             self._stalls.append(time.perf_counter() - started)  # no measure of the next)
         self._since = 0
@@ -207,8 +210,8 @@ class TierWriter:
             write_checkpoint(self.store, meta, snapshot.payload)
             self.store.prune()
             self.slots += 1
-        except (OSError, ProcckptError) as e:
-            self._turn_off(f"a slot could not be written ({e})")
+        except Exception as e:  # noqa: BLE001 (no failure of the tier may reach the training)
+            self._turn_off(f"a slot could not be written ({type(e).__name__}: {e})")
 
     def _turn_off(self, why: str) -> None:
         self.off = why
