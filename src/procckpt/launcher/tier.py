@@ -71,15 +71,6 @@ class LauncherTier:
     def env(self) -> dict[str, str]:
         return {ENV_TIER: str(self.path)}
 
-    def size(self) -> int:
-        """Bytes the tier holds now (its slots on the memory file system)."""
-        total = 0
-        for dirpath, _, files in os.walk(self.path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(dirpath, name)).st_size
-        return total
-
     def keep_newest(self, store: CheckpointStore, cycle: int) -> CheckpointInfo | None:
         """Copy the tier's newest intact slot into ``store`` if it is newer than the newest
         checkpoint there; the checkpoint made, or None. Never raises for the tier's sake: a
