@@ -27,7 +27,7 @@ from ..protocol.control import ENV_TIER
 from ..protocol.events import append_event
 from ..protocol.leftovers import make_owned_dir, sweep_dead
 from ..store import CheckpointInfo, CheckpointStore
-from ..store.files import format_size
+from ..store.files import MEMORY_FS_TYPES, format_size, fs_type
 
 __all__ = ["LauncherTier", "memory_tier", "ENV_TIER_ROOT", "DEFAULT_ROOT"]
 
@@ -40,25 +40,6 @@ _PREFIX = "procckpt-tier-"
 #: Manifest keys the store writes itself; the rest is the checkpoint's meta.
 _STORE_KEYS = frozenset({"format", "seq", "time", "host", "pid", "files", "bytes", "chunks",
                          "written"})
-
-
-def _on_memory(root: Path) -> bool:
-    """Whether ``root`` is on tmpfs (or ramfs): a tier on a disk would be a slow second store."""
-    try:
-        mounts = Path("/proc/self/mounts").read_text().splitlines()
-    except OSError:
-        return False
-    best, fstype = "", ""
-    real = os.path.realpath(root)
-    for line in mounts:
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        point = parts[1].replace("\\040", " ")
-        inside = real == point or real.startswith(point.rstrip("/") + "/")
-        if inside and len(point) >= len(best):
-            best, fstype = point, parts[2]
-    return fstype in ("tmpfs", "ramfs")
 
 
 class LauncherTier:
@@ -121,7 +102,7 @@ def memory_tier(enabled: bool, engine: str) -> Iterator[LauncherTier | None]:
         yield None
         return
     root = Path(os.environ.get(ENV_TIER_ROOT) or DEFAULT_ROOT)
-    if not root.is_dir() or not _on_memory(root):
+    if not root.is_dir() or fs_type(root) not in MEMORY_FS_TYPES:
         logger.warning("memory tier: off, %s is not a memory file system (tmpfs); a crash "
                        "resumes from the newest checkpoint (set %s to a tmpfs directory, or "
                        "pass --no-memory-tier to say so)", root, ENV_TIER_ROOT)

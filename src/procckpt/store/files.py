@@ -20,7 +20,8 @@ from typing import IO, Any
 from ..errors import CheckpointReadError, StorageError
 from .checksum import crc32 as checksum_crc32
 
-__all__ = ["fsync_dir", "plain_name", "read_small_file", "open_new_file", "lasting_write_error",
+__all__ = ["MEMORY_FS_TYPES", "fs_type", "is_within", "fsync_dir", "plain_name",
+           "read_small_file", "open_new_file", "lasting_write_error",
            "read_with_retries", "write_file_atomic", "ChecksumWriter", "file_crc32",
            "READ_RETRY_PAUSES", "format_size", "modified"]
 
@@ -216,3 +217,36 @@ def modified(path: Path) -> float:
         return os.lstat(path).st_mtime
     except OSError:
         return 0.0
+
+
+#: File systems whose files live in memory (gone with the node, or at its reboot).
+MEMORY_FS_TYPES = ("tmpfs", "ramfs")
+
+
+def fs_type(path: Path, mounts_text: str | None = None) -> str | None:
+    """The type of the file system ``path`` is on: the deepest mount point above it in
+    ``/proc/mounts`` (or ``mounts_text``); None where that cannot be read."""
+    if mounts_text is None:
+        try:
+            mounts_text = Path("/proc/mounts").read_text()
+        except OSError:
+            return None
+    path = path.resolve()
+    best, found = "", None
+    for line in mounts_text.splitlines():
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount = parts[1].replace("\\040", " ")
+        if is_within(path, mount) and len(mount) >= len(best):
+            best, found = mount, parts[2]
+    return found
+
+
+def is_within(path: Path, root: str) -> bool:
+    """Whether ``path`` (resolved by the caller) is ``root`` or below it (resolved here)."""
+    try:
+        path.relative_to(Path(root).resolve())
+        return True
+    except ValueError:
+        return False

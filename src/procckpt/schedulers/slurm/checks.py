@@ -8,33 +8,13 @@ from pathlib import Path
 
 from ...errors import EX_TEMPFAIL
 from ...launcher.config import RunConfig
+from ...store.files import MEMORY_FS_TYPES, fs_type, is_within
 from .env import SlurmEnv
 from .job import SlurmJob
 
 __all__ = ["startup_warnings", "node_local_reason", "sbatch_directives", "signal_lead"]
 
 _NODE_LOCAL_PREFIXES = ("/tmp", "/var/tmp", "/dev/shm", "/run/user")
-_LOCAL_FS_TYPES = ("tmpfs", "ramfs")
-
-
-def _within(path: Path, root: str) -> bool:
-    try:
-        path.relative_to(Path(root).resolve())
-        return True
-    except ValueError:
-        return False
-
-
-def _fs_type(path: Path, mounts_text: str) -> str | None:
-    best, fstype = "", None
-    for line in mounts_text.splitlines():
-        parts = line.split()
-        if len(parts) < 3:
-            continue
-        mount = parts[1].replace("\\040", " ")
-        if _within(path, mount) and len(mount) >= len(best):
-            best, fstype = mount, parts[2]
-    return fstype
 
 
 def node_local_reason(directory: Path, env: SlurmEnv, mounts_text: str | None = None,
@@ -42,18 +22,13 @@ def node_local_reason(directory: Path, env: SlurmEnv, mounts_text: str | None = 
     """Why ``directory`` is likely on node-local storage that a requeue loses, or None."""
     path = directory.resolve()
     for prefix in _NODE_LOCAL_PREFIXES:
-        if _within(path, prefix):
+        if is_within(path, prefix):
             return f"it is under {prefix}"
     for tmp in env.tmpdirs:
-        if _within(path, tmp):
+        if is_within(path, tmp):
             return f"it is under the job's temporary dir {tmp}"
-    if mounts_text is None:
-        try:
-            mounts_text = Path("/proc/mounts").read_text()
-        except OSError:
-            return None
-    fstype = _fs_type(path, mounts_text)
-    if fstype in _LOCAL_FS_TYPES:
+    fstype = fs_type(path, mounts_text)
+    if fstype in MEMORY_FS_TYPES:
         return f"it is on a {fstype} (memory) filesystem"
     return None
 
