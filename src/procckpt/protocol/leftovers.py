@@ -10,19 +10,14 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..store.lock import machine_id
+
 __all__ = ["make_owned_dir", "sweep_dead"]
 
 
 def _machine() -> str:
-    """This boot of this machine, and this pid namespace: where a pid names one process."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
-    except OSError:
-        boot = "noboot"
-    try:
-        return f"{boot}.{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return boot
+    """:func:`machine_id` as a part of a folder's name (no '-' or '/')."""
+    return (machine_id() or "unknown").replace("-", "").replace("/", ".")
 
 
 def _alive(pid: int) -> bool:

@@ -35,6 +35,7 @@ import uuid
 from typing import Any
 
 from ..errors import LockedError, StorageError
+from .lock import machine_id
 
 __all__ = ["PrefixLease", "BEAT", "STALE_BEATS"]
 
@@ -44,16 +45,6 @@ logger = logging.getLogger("procckpt")
 BEAT = 10.0
 #: A lease unchanged for this many of its beats is a dead launcher's.
 STALE_BEATS = 3
-
-
-def _machine() -> str | None:
-    """This boot of this machine and this process's pid namespace: pids compare only where
-    these are equal (two containers may share a host name, never both)."""
-    try:
-        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
-        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return None
 
 
 def _started(pid: int) -> str | None:
@@ -83,7 +74,7 @@ class PrefixLease:
         self.beat = beat
         job, restarts = _job()
         self.me = {"token": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
-                   "machine": _machine(), "started": _started(os.getpid()), "job": job,
+                   "machine": machine_id(), "started": _started(os.getpid()), "job": job,
                    "restarts": restarts, "beat": beat, "since": time.time()}
         self._etag: str | None = None
         self._beats = 0

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import LockedError, StoreError
 from .files import read_small_file
 
-__all__ = ["DirLock"]
+__all__ = ["DirLock", "machine_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,3 +145,14 @@ def _flock_holder(dev: int, ino: int) -> tuple[int, str] | None:
                 command = "?"
             return pid, command[:120] or "?"
     return None
+
+
+def machine_id() -> str | None:
+    """This boot of this machine and this process's pid namespace ("BOOT_ID/INODE"): pids
+    compare only where these are equal (two containers may share a host name, never both);
+    None where /proc does not tell."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
