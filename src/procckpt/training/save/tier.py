@@ -178,7 +178,7 @@ class TierWriter:
         if self._stalls:
             self._plan()
         self._thread = threading.Thread(target=self._write, args=(snapshot, meta()),
-                                         name="procckpt-tier", daemon=True)
+                                         name="procckpt-tier", daemon=False)
         self._thread.start()
 
     def _plan(self) -> None:
@@ -222,7 +222,10 @@ class TierWriter:
         self.arena.release()
 
     def close(self) -> None:
-        """Wait for a slot in flight (its thread is a daemon: a kill loses only that slot)."""
+        """Wait for a slot in flight. Its thread is no daemon, so that a script that exits
+        (or raises) while a slot is written waits for it too: a daemon thread inside
+        ``torch.save`` when the interpreter ends aborts the process (SIGABRT, "terminate
+        called without an active exception") instead of exiting with the script's code."""
         thread = self._thread
         if thread is not None:
             thread.join()
