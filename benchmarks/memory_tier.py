@@ -131,7 +131,7 @@ def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
             assert pid is not None, err.read_text()[-3000:]
             lives = len(re.findall(r"^resumed ", out.read_text(), re.M))
             killed_at = time.time()
-            os.kill(pid, signal.SIGKILL)
+            os.kill(_command_of(pid), signal.SIGKILL)  # as the OOM killer does
             while _training_pid(err) == pid:
                 assert proc.poll() is None, err.read_text()[-3000:]
                 time.sleep(0.02)
@@ -158,8 +158,18 @@ def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
 
 
 def _training_pid(err: Path) -> int | None:
+    """The pid the launcher says it started: the keeper in front of the training."""
     found = re.findall(r"cycle \d+: started .* \(pid (\d+)", err.read_text())
     return int(found[-1]) if found else None
+
+
+def _command_of(keeper: int) -> int:
+    """The training's own process, the keeper's one child."""
+    import psutil
+
+    while not (below := psutil.Process(keeper).children()):
+        time.sleep(0.01)
+    return below[0].pid
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
+
 from procckpt.store.pending import ENV_COMMIT_PAUSE
 
 from ..conftest import assert_bit_identical, mounted_tmpfs, procckpt_argv, run
@@ -32,7 +34,13 @@ def _launch(workdir: Path, ckpt: Path, out: Path, *options: str,
 
 
 def _training_pid(ckpt: Path) -> int:
-    return events(ckpt, "cycle")[-1]["pid"]
+    """The training's own process: the journal names the keeper in front of it."""
+    keeper = psutil.Process(events(ckpt, "cycle")[-1]["pid"])
+    deadline = time.monotonic() + 30
+    while not (below := keeper.children()):
+        assert time.monotonic() < deadline, "the keeper started no command"
+        time.sleep(0.01)
+    return below[0].pid
 
 
 def _tier_root(ckpt: Path) -> Path:

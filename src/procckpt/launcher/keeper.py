@@ -13,6 +13,9 @@ closes that gap:
 - it holds the read end of a pipe whose write end only the launcher has: when the launcher
   dies, however it dies, the pipe reads end-of-file and the keeper SIGKILLs every process
   below it, then exits;
+- the command itself dies with the keeper (a parent-death signal): a keeper killed outright,
+  by hand or before it read its lifeline's end, leaves no training running unwatched into a
+  store that the launcher's next cycle writes too;
 - otherwise it waits: it takes no part in the launcher's signals to the process group
   (SIGTERM, SIGINT, ... are the command's business), reaps what is orphaned below it, and when
   the command exits it kills what the command left behind and exits the same way (the same
@@ -153,12 +156,19 @@ def main(argv: list[str]) -> None:
         # A handler, not SIG_IGN: the command inherits ignored signals across exec, and a
         # handled one is reset to the default there.
         signal.signal(getattr(signal, name), lambda *_: None)
+    keeper = os.getpid()
     try:
         pid = os.fork()
     except OSError as e:
         sys.stderr.write(f"procckpt: cannot start {command[0]}: {e.strerror}\n")
         os._exit(126)
     if pid == 0:  # the command: default signal handling, no keeper fds
+        # Killed with the keeper: a keeper killed outright (SIGKILL by hand, or before it saw
+        # its lifeline end) must not leave the command training on, unwatched, into a store
+        # whose next run the launcher starts. (Checked again: it may have died before this.)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != keeper:
+            os._exit(137)
         try:
             for name in (*_IGNORED_BY_KEEPER, "SIGCHLD"):
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
