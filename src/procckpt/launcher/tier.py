@@ -75,8 +75,9 @@ class LauncherTier:
                 info = pending.commit()
             seconds = time.monotonic() - started
         except (OSError, ProcckptError) as e:
-            logger.warning("could not keep the memory tier's newest state in %s (%s); the next "
-                           "cycle resumes from the newest checkpoint there", store.root, e)
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            logger.warning("could not keep the memory tier's newest state in %s (%s); a "
+                           "restart resumes from the newest checkpoint there", store.root, why)
             return None
         logger.info("kept step %s from the memory tier as checkpoint %s (%s in %.2fs)",
                     info.step, info.name, format_size(info.nbytes), seconds)
