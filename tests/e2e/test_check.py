@@ -187,6 +187,34 @@ def test_a_stopped_check_leaves_no_dir_and_no_process(workdir: Path, signum: int
     assert _processes_naming(marker) == []
 
 
+def test_a_check_killed_outright_leaves_no_process(workdir: Path):
+    """SIGKILL (by hand, the OOM killer): no handler runs, so the files stay, but the run it
+    had started (launcher, keeper, training) must not train on with nobody to stop it."""
+    tmp = workdir / "tmp"
+    tmp.mkdir()
+    marker = str(workdir / "never-written.pt")
+    proc = subprocess.Popen([*procckpt_argv(), "check", "--steps", "40", "--", PYTHON,
+                             str(PROGRAMS / "tiny_train.py"), "--epochs", "10", "--n", "128",
+                             "--step-sleep", "1", "--out", marker], cwd=workdir,  # 40 s
+                            env={**os.environ, "TMPDIR": str(tmp)}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not list(tmp.glob("procckpt-check-*/a.trace.0")):  # the first run is training
+            assert proc.poll() is None and time.monotonic() < deadline, "no run trained"
+            time.sleep(0.2)
+        assert _processes_naming(marker), "the check's run should be training now"
+        proc.kill()
+        proc.wait(timeout=60)
+        until = time.monotonic() + 10
+        while _processes_naming(marker) and time.monotonic() < until:
+            time.sleep(0.1)
+        assert _processes_naming(marker) == [], "the check's run outlived it"
+    finally:
+        for pid in _processes_naming(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
 def _processes_naming(text: str) -> list[int]:
     """The processes whose command line holds ``text``."""
     found = []

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProcckptError, UsageError
+from ..launcher.child import die_with_parent
 from ..launcher.hang import descendants, stat_fields
 from ..protocol.control import ENV_CHECK
 
@@ -132,8 +133,11 @@ class Runner:
         started = time.monotonic()
         first_step: float | None = None
         with open(run.log, "a") as log:
+            # A check killed outright takes its run along: the launcher dies with it, and
+            # its keeper then kills the training.
             self._running = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                             stderr=log, env=env, start_new_session=True)
+                                             stderr=log, env=env, start_new_session=True,
+                                             preexec_fn=die_with_parent)
             while (code := self._running.poll()) is None:
                 time.sleep(POLL)
                 now = time.monotonic()

@@ -19,7 +19,7 @@ import psutil
 
 from ..errors import CommandNotFoundError
 
-__all__ = ["Child", "exit_code_of"]
+__all__ = ["Child", "die_with_parent", "exit_code_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +43,11 @@ def _find_prctl() -> Callable[..., int] | None:
 _prctl = _find_prctl()
 
 
-def _die_with_parent() -> None:
-    """In a helper process the launcher starts (DMTCP's coordinator), before exec: if the
-    launcher is killed outright (SIGKILL, OOM killer), the helper is killed too. The command
-    itself has the keeper for this, which also reaches the processes it starts."""
+def die_with_parent() -> None:
+    """In a helper process the launcher starts (DMTCP's coordinator), or in the run that
+    ``procckpt check`` starts, before exec: if its parent is killed outright (SIGKILL, the OOM
+    killer), it is killed too. The command itself has the keeper for this, which also reaches
+    the processes it starts."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ...child import _die_with_parent as die_with_parent
+from ...child import die_with_parent
 from .tools import DmtcpError, DmtcpTools
 
 __all__ = ["Coordinator", "clean_env"]
