@@ -29,6 +29,11 @@ os.environ.setdefault("PROCCKPT_AUDIT", "strict")
 # threads make that first call together (pytorch/pytorch#188792; docs/check.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# A warm restart's spare interpreter imports torch beside every run once it stepped: seconds
+# of a processor for each of the suite's hundreds of runs, few of which restart at all. The
+# tests of restarts after crashes (test_memory_tier.py, test_warm_restarts.py) turn it on.
+os.environ.setdefault("PROCCKPT_WARM_RESTARTS", "0")
+
 
 QUICK = Path(__file__).parent / "quick.txt"
 

@@ -80,7 +80,7 @@ SAMPLES = {
     "dir": ("ckpts", Path("ckpts")), "time_limit": ("2h", 7200.0), "grace": ("90s", 90.0),
     "interval": ("30m", 1800.0), "mtbf": ("6h", 21600.0), "hang_timeout": ("off", None),
     "max_restarts": ("3", 3), "restart_on_failure": ("true", True), "engine": ("hooks", "hooks"),
-    "memory_tier": ("false", False),
+    "memory_tier": ("false", False), "warm_restarts": ("false", False),
     "keep": ("5", 5), "force": ("yes", True), "term_timeout": ("30s", 30.0),
     "checkpoint_signal": ("SIGURG", "URG"), "audit": ("Strict", "strict"), "nodes": ("4", 4),
     "node_rank": ("2", 2),

@@ -55,7 +55,7 @@ def test_a_training_killed_twice_resumes_from_the_memory_tier_bit_identical(work
     expected = reference(workdir, *ARGS)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     proc, err = _launch(workdir, ckpt, out, "--interval", "off",
-                        env={ENV_COMMIT_PAUSE: "0.1"})
+                        env={ENV_COMMIT_PAUSE: "0.1", "PROCCKPT_WARM_RESTARTS": "1"})
     kills: list[int] = []
     torn = False
     try:

@@ -127,7 +127,8 @@ class Runner:
         for variable in ("PROCCKPT_TOKEN", "PROCCKPT_DIR", "PROCCKPT_FORCE"):
             env.pop(variable, None)
         argv = [sys.executable, "-m", "procckpt", "run", "--dir", str(run.dir), "--engine",
-                "hooks", "--interval", "off", "--hang-timeout", "off", "--keep", "2", "--",
+                "hooks", "--interval", "off", "--hang-timeout", "off", "--keep", "2",
+                "--no-warm-restarts", "--",  # (each run is a launch of its own: none restarts)
                 *self.command]
         before = _trace_size(run)
         started = time.monotonic()

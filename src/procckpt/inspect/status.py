@@ -164,7 +164,12 @@ def recovery_line(history: list[dict[str, Any]]) -> str | None:
     """Where the time of the last restart went, from the end of the cycle before to the end
     of the first resumed step: 'last restart: 5.70s to the first resumed step: back-off
     2.00s, start 0.30s, ...'; None before any restart was timed."""
-    last = next((e for e in reversed(history) if e.get("event") == "recovery"), None)
+    last, cycle, warm = None, None, False
+    for event in history:
+        if event.get("event") == "cycle":
+            cycle = event
+        elif event.get("event") == "recovery":
+            last, warm = event, bool(cycle is not None and cycle.get("warm"))
     if last is None or not isinstance(last.get("total"), (int, float)):
         return None
     parts = []
@@ -177,7 +182,8 @@ def recovery_line(history: list[dict[str, Any]]) -> str | None:
             more = f" ({more})" if key == "restore" and more else ""
             parts.append(f"{name} {seconds:.2f}s{more}")
     return (f"last restart: {last['total']:.2f}s from the end of the cycle before to the end "
-            f"of the first resumed step: {', '.join(parts)}")
+            f"of the first resumed step{' (warm: torch was imported)' if warm else ''}: "
+            f"{', '.join(parts)}")
 
 
 def tier_line(history: list[dict[str, Any]]) -> str | None:

@@ -201,6 +201,11 @@ class RunConfig:
         "holds (a tmpfs directory), so that a crash (an OOM kill, a segfault) resumes from "
         "there instead of the last checkpoint: the hooks engine, one process.", _bool,
         kind="switch")
+    warm_restarts: bool = _option(
+        True, "Keep a spare Python with torch imported beside the training, so that a restart "
+        "(after a crash, a hang, a --time-limit cycle) starts the script in it, not in a new "
+        "interpreter: `python script.py` and `python -m module` commands, the hooks engine.",
+        _bool, kind="switch")
     engine: str = _option("auto", "Snapshot engine.", _engine, "|".join(ENGINES))
     keep: int = _option(2, "Keep the last N checkpoints (plus the best).", _int(1), "N")
     force: bool = _option(

@@ -17,6 +17,7 @@ from .deadline import Deadline, LocalDeadline, NoDeadline
 from .engines import Engine
 from .restart import LocalRestart, RestartPolicy
 from .tier import memory_tier
+from .warm import warm_restarts
 
 __all__ = ["launch", "Scheduled"]
 
@@ -63,9 +64,11 @@ def launch(config: RunConfig, scheduled: Scheduled) -> int:
         store.fetch_remote()  # a new node: its newest checkpoint is in the prefix
         engine = _engine_for(config, store)
         deadline, policy = scheduled(config) or _local(config)
-        with memory_tier(config.memory_tier and config.nodes == 1, engine.name) as tier:
+        with memory_tier(config.memory_tier and config.nodes == 1, engine.name) as tier, \
+                warm_restarts(config.warm_restarts and config.max_restarts > 0, engine.name,
+                              config.command, config.nodes == 1) as warm:
             return Supervisor(config, store, engine, deadline, policy,
-                              tier=tier).run().exit_code
+                              tier=tier, warm=warm).run().exit_code
 
 
 def _lease(store: CheckpointStore) -> contextlib.AbstractContextManager[object]:

@@ -48,6 +48,7 @@ from .results import CycleOutcome, ExitReason, RunResult, exit_words
 from .said import newest_intact, restart_number, resumes_from
 from .signals import HANDLED_SIGNALS, SignalPipe, signal_actions
 from .tier import LauncherTier
+from .warm import WarmRestarts
 from .watch import CycleWatch, log_confirmed
 
 __all__ = ["Supervisor", "RunResult", "ExitReason", "CycleOutcome"]
@@ -78,6 +79,7 @@ class Supervisor(RunLoop):
                  deadline: Deadline, policy: RestartPolicy, *,
                  extra_env: dict[str, str] | None = None,
                  tier: LauncherTier | None = None,
+                 warm: WarmRestarts | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  child_factory: Callable[..., Child] = Child,
                  wait_signals: Callable[[float], list[int]] | None = None,
@@ -91,6 +93,8 @@ class Supervisor(RunLoop):
         #: the store after each cycle where it is newer than the newest checkpoint.
         self.tier = tier
         self.extra_env = {**(extra_env or {}), **(tier.env() if tier is not None else {})}
+        #: A spare interpreter for the next restart (warm.py), where the command allows one.
+        self.warm = warm
         self._clock = clock
         self._child_factory = child_factory
         self._wait = wait_signals
@@ -403,6 +407,14 @@ class Supervisor(RunLoop):
         return infos[0].step if infos[0].step is not None else infos[0].seq
 
     # -- one cycle -------------------------------------------------------------------------
+    def _spare_for_next(self, env: dict[str, str]) -> Callable[[int | None], None] | None:
+        """Once this cycle's training stepped (its start-up no longer competes for the
+        processors), the spare interpreter for a restart is started (warm.py)."""
+        warm = self.warm
+        if warm is None:
+            return None
+        return lambda step: warm.prepare(env) if step is not None else None
+
     def _run_cycle(self, restarts: int) -> CycleOutcome:
         token = uuid.uuid4().hex
         self._cycle_from = self._latest_step()
@@ -425,7 +437,9 @@ class Supervisor(RunLoop):
             self.board.running(token, self.cycles, {
                 k: env[k] for k in (*engine_env, ctl.ENV_DIR, ctl.ENV_RESTART, ctl.ENV_CYCLE,
                                     ctl.ENV_ENGINE, ctl.ENV_AUDIT)})
-        child = self._child_factory(argv, env)
+        warm = self.warm.take(argv, env) if self.warm is not None \
+            and argv == self.config.command else None
+        child = warm or self._child_factory(argv, env)
         self.hangs.start_cycle()
         started = self._clock()
         child.start()
@@ -433,8 +447,9 @@ class Supervisor(RunLoop):
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
         self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,
                           cycle=self.cycles, start=True)
-        logger.info("cycle %d: started %s (pid %d, %s%s)", self.cycles, " ".join(argv),
-                    child.pid, self.deadline.source,
+        logger.info("cycle %d: started %s (pid %d, %s%s%s)", self.cycles, " ".join(argv),
+                    child.pid, "warm: in the spare interpreter, torch imported; "
+                    if warm else "", self.deadline.source,
                     f", checkpoint at {format_duration(end - started - self.plan.lead.seconds)}"
                     if end is not None else "")
         # The lead and period in force, and (for the first cycle) when the scheduler started
@@ -443,7 +458,8 @@ class Supervisor(RunLoop):
         append_event(self.store.events_path, "cycle", cycle=self.cycles, pid=child.pid,
                      restart=restarts, engine=self.engine.name,
                      lead=round(self.plan.lead.seconds, 3), interval=self.plan.period.seconds,
-                     **({} if job_started is None else {"job_started": job_started}))
+                     **({} if job_started is None else {"job_started": job_started}),
+                     **({"warm": True} if warm else {}))
         watch = CycleWatch(child, started, self.cycles, self.engine, self.deadline, self.plan,
                            self.hangs, self.store, self._actions, self._clock,
                            self._wait,  # type: ignore[arg-type]
@@ -451,7 +467,8 @@ class Supervisor(RunLoop):
                            reap_orphans=self._reap_orphans, dump_stacks=self._dump_stacks,
                            lost_nodes=self._find_lost_nodes,
                            peer_stops=self.board.stop_requests if self.board else None,
-                           unheard_peers=self.board.unheard if self.board else None)
+                           unheard_peers=self.board.unheard if self.board else None,
+                           on_look=self._spare_for_next(env))
         carried, self._carried_signals = self._carried_signals, []
         outcome = watch.run(carried)
         self._cycle_ended = time.time()  # (the command's exit was seen just now)

@@ -89,6 +89,9 @@ class CycleWatch:
     said_unheard: bool = False
     #: Signals that arrived while a hung command printed its stacks: for the next cycle.
     carried: list[int] = field(default_factory=list)
+    #: Called at each look while the command runs, with the step it reached (None before
+    #: its first): the launcher starts a warm restart's spare from here (warm.py).
+    on_look: Callable[[int | None], None] | None = None
 
     def __post_init__(self) -> None:
         self.interval_from = self.started  # the last periodic checkpoint, or the start
@@ -123,6 +126,8 @@ class CycleWatch:
                     rc = self._check_hang(now)
                 if rc is None:
                     rc = self._check_peers(now)
+                if rc is None and self.on_look is not None:
+                    self.on_look(self.hangs.last_step)
             else:
                 child.kill_leftovers()
             if rc is not None:
