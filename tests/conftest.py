@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -140,3 +141,42 @@ def slurm_cluster(tmp_path_factory):
 
     yield from slurm_cluster_fixture(tmp_path_factory.mktemp("slurm"))
 
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[Path]:
+    """A real memory cgroup (v1, or v2 with the memory controller) below this process's own,
+    limited to ``limit`` bytes; yields its ``cgroup.procs``, into which a command moves itself.
+    Skips the test where none can be made (not root, no such hierarchy)."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    v1 = [line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")]
+    if v1:
+        parent, limit_file = Path("/sys/fs/cgroup/memory") / v1[0].strip("/"), \
+            "memory.limit_in_bytes"
+    else:
+        v2 = [line[3:] for line in lines if line.startswith("0::")]
+        parent, limit_file = Path("/sys/fs/cgroup") / (v2[0].strip("/") if v2 else ""), \
+            "memory.max"
+        try:
+            enabled = (parent / "cgroup.subtree_control").read_text().split()
+        except OSError:
+            enabled = []
+        if "memory" not in enabled:
+            pytest.skip(f"no memory controller for the cgroups below {parent}")
+    if not parent.is_dir():  # a container that sees its own cgroup as the root
+        parent = Path("/sys/fs/cgroup/memory") if v1 else Path("/sys/fs/cgroup")
+    group = parent / f"procckpt-test-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        group.mkdir()
+        (group / limit_file).write_text(str(limit))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup in {parent}: {e.strerror}")
+    try:
+        yield group / "cgroup.procs"
+    finally:
+        for _ in range(100):  # its processes gone, it can be removed
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)

@@ -16,7 +16,7 @@ import psutil
 from procckpt.store import CheckpointStore
 from procckpt.store.pending import ENV_COMMIT_PAUSE
 
-from ..conftest import assert_bit_identical, mounted_tmpfs, procckpt_argv, run
+from ..conftest import assert_bit_identical, memory_cgroup, mounted_tmpfs, procckpt_argv, run
 from ..harness.processes import TINY, events, reference
 
 #: 32 steps an epoch (batch 32), 96 in all, 50 ms each.
@@ -150,6 +150,27 @@ def test_a_tier_without_room_is_said_in_one_line_and_the_run_goes_on(workdir: Pa
     assert [e for e in events(ckpt, "memory-tier") if "off" in e]
     assert not events(ckpt, "tier-kept")
     assert_bit_identical(expected, out)
+
+
+def test_a_cgroup_without_room_for_the_tier_is_said_in_one_line_and_the_run_goes_on(
+        workdir: Path):
+    """A real memory cgroup of 900 MB (as Slurm's task/cgroup or a pod's limit sets one), a
+    state of 99 MB: the training fits (635 MB at most here), its tier does not (three slots on
+    /dev/shm, charged to the cgroup, and a copy, and a margin of 256 MB: 664 MB, where the
+    cgroup had 368 MB left). Without the check the slots would take the cgroup towards its
+    OOM killer. The check counts page cache not recently used as room (a checkpoint just
+    written leaves it), and every limit above the cgroup too."""
+    ckpt = workdir / "ckpt"
+    with memory_cgroup(900 << 20) as procs:
+        res = run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *procckpt_argv(),
+                   "run", "--dir", str(ckpt), "--interval", "2s", "--", *TINY, "--epochs", "1",
+                   "--width", "650000", "--batch-size", "4", "--step-sleep", "0.02"],
+                  cwd=workdir, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in res.stderr.splitlines() if "memory tier: off" in line]
+    assert len(said) == 1 and "MB, and a margin), and this process's cgroup may take " in \
+        said[0], said
+    assert not events(ckpt, "tier-kept") and events(ckpt, "complete")
 
 
 def test_a_crash_that_repeats_at_one_step_ends_the_run_in_a_line(workdir: Path):

@@ -28,6 +28,7 @@ from ...errors import ProcckptError
 from ...protocol.control import ENV_TIER
 from ...protocol.events import append_event
 from ...store import CheckpointStore
+from ...store.cgroups import cgroup_room
 from ...store.files import format_size
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .writer import payload_bytes, write_checkpoint
@@ -42,24 +43,6 @@ BUDGET = 0.01
 _FILES = 3
 #: Left free on the machine or in the cgroup beyond the tier's own need.
 _MARGIN = 256 << 20
-
-
-def _cgroup_room() -> int | None:
-    """Bytes this process's cgroup (v2) may still charge, or None where it sets no limit."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        if line.startswith("0::"):
-            base = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
-            try:
-                limit = (base / "memory.max").read_text().strip()
-                used = int((base / "memory.current").read_text())
-            except (OSError, ValueError):
-                return None
-            return None if limit == "max" else int(limit) - used
-    return None
 
 
 def _available() -> int | None:
@@ -91,7 +74,7 @@ def tier_room(root: Path, nbytes: int) -> str | None:
     available = _available()
     if available is not None and available < need:
         return f"{needs}, and the machine has {format_size(available)} available"
-    room = _cgroup_room()
+    room = cgroup_room()
     if room is not None and room < need:
         return f"{needs}, and this process's cgroup may take {format_size(max(room, 0))} more"
     return None
