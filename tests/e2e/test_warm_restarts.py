@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, memory_cgroup, procckpt_argv, run
 from ..harness.processes import events
 
 WARM = {"PROCCKPT_WARM_RESTARTS": "1", "WARM_TEST_VAR": "from the user's shell"}
@@ -87,3 +87,21 @@ def test_a_command_a_spare_cannot_serve_starts_cold_and_says_why(workdir: Path):
     said = [json.loads(line) for line in (workdir / "l").read_text().splitlines()]
     assert [life["preloaded"] for life in said] == [False, False]
     assert os.path.exists(workdir / "o.pt")
+
+
+def test_no_spare_where_the_cgroup_has_no_room_for_one(workdir: Path):
+    """A real memory cgroup of 700 MB: the training (about 350 MB) fits, a spare (about 300
+    MB, started only where 768 MB are left) would take it near its OOM killer, which would kill
+    the training: the restart starts cold, and one line says why."""
+    lives = workdir / "l"
+    with memory_cgroup(700 << 20) as procs:
+        done = run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *procckpt_argv(),
+                    "run", "--dir", "ckpt", "--restart-on-failure", "--", PYTHON,
+                    str(PROGRAMS / "warm_train.py"), "--kill-at", "40", "--lives", str(lives),
+                    "--out", "o.pt"], cwd=workdir, env=WARM, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if "no spare interpreter" in line]
+    assert len(said) == 1 and "this process's cgroup may take " in said[0], said
+    assert "a spare interpreter (pid" not in done.stderr
+    assert [json.loads(line)["preloaded"] for line in lives.read_text().splitlines()] == \
+        [False, False]

@@ -35,6 +35,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..protocol import control as ctl
+from ..store.cgroups import cgroup_room, memory_available
+from ..store.files import format_size
 from .child import _KEEPER, Child
 
 __all__ = ["BOOTSTRAP", "WarmRestarts", "warm_restarts", "warm_target"]
@@ -213,10 +215,20 @@ class WarmRestarts:
         self._spare: Spare | None = None
         self._now = now
         self.served = 0
+        self._look_again = float("-inf")
+        self._said_no_room = False
 
     def prepare(self, env: Mapping[str, str]) -> None:
-        """Start the spare for the next restart, if there is none."""
-        if self._spare is not None:
+        """Start the spare for the next restart, if there is none and there is room for it."""
+        if self._spare is not None or self._now() < self._look_again:
+            return
+        short = _no_room()
+        if short is not None:
+            if not self._said_no_room:
+                logger.info("warm restarts: no spare interpreter for now: %s; a restart "
+                            "starts a new interpreter", short)
+                self._said_no_room = True
+            self._look_again = self._now() + _ROOM_LOOKS
             return
         spare_env = {k: v for k, v in env.items() if k not in _PER_CYCLE}
         try:
@@ -245,6 +257,25 @@ class WarmRestarts:
         if self._spare is not None:
             self._spare.close()
             self._spare = None
+
+
+#: What a spare takes (an interpreter with torch imported: about 300 MB resident), with a
+#: margin: it is started only where the machine and every cgroup limit leave this much.
+SPARE_ROOM = 768 << 20
+#: After a look that found no room, the next one comes this many seconds later.
+_ROOM_LOOKS = 30.0
+
+
+def _no_room() -> str | None:
+    """Why there is no room for a spare now, or None if there is."""
+    available, room = memory_available(), cgroup_room()
+    if available is not None and available < SPARE_ROOM:
+        return (f"the machine has {format_size(available)} available, a spare needs about "
+                f"{format_size(SPARE_ROOM)} with a margin")
+    if room is not None and room < SPARE_ROOM:
+        return (f"this process's cgroup may take {format_size(max(room, 0))} more, a spare "
+                f"needs about {format_size(SPARE_ROOM)} with a margin")
+    return None
 
 
 def _a_rank(env: Mapping[str, str]) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["cgroup_room"]
+__all__ = ["cgroup_room", "memory_available"]
 
 #: A v1 limit of this or more is no limit (the kernel's "unlimited", rounded to pages).
 _V1_UNLIMITED = 1 << 62
@@ -77,3 +77,14 @@ def _stat(path: Path, key: str) -> int:
     except (OSError, ValueError):
         pass
     return 0
+
+
+def memory_available() -> int | None:
+    """The machine's available memory (``MemAvailable``), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -28,7 +28,7 @@ from ...errors import ProcckptError
 from ...protocol.control import ENV_TIER
 from ...protocol.events import append_event
 from ...store import CheckpointStore
-from ...store.cgroups import cgroup_room
+from ...store.cgroups import cgroup_room, memory_available
 from ...store.files import format_size
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .writer import payload_bytes, write_checkpoint
@@ -43,16 +43,6 @@ BUDGET = 0.01
 _FILES = 3
 #: Left free on the machine or in the cgroup beyond the tier's own need.
 _MARGIN = 256 << 20
-
-
-def _available() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def tier_room(root: Path, nbytes: int) -> str | None:
@@ -71,7 +61,7 @@ def tier_room(root: Path, nbytes: int) -> str | None:
                 f"{root.parent}, which has {format_size(free)} free")
     needs = (f"it needs {format_size(need)} of memory ({_FILES} slots and a copy of "
              f"{format_size(nbytes)}, and a margin)")
-    available = _available()
+    available = memory_available()
     if available is not None and available < need:
         return f"{needs}, and the machine has {format_size(available)} available"
     room = cgroup_room()
