@@ -79,3 +79,32 @@ def test_the_dmtcp_engine_and_several_nodes_start_cold(caplog):
         assert warm is None
     assert "not with the dmtcp engine" in caplog.text
     assert "not for a run on several nodes" in caplog.text
+
+
+def test_a_spare_that_died_gives_way_to_a_cold_start(tmp_path, caplog):
+    """The spare (and its keeper) gone between the look that found it alive and the hand-over:
+    the cycle starts cold, as it would have without warm restarts, and says so."""
+    import os
+    import sys
+    import time
+
+    import psutil
+
+    from procckpt.launcher.warm import Spare, WarmChild
+
+    script = tmp_path / "t.py"
+    script.write_text("import sys; open(sys.argv[1], 'w').write('ran')\n")
+    target = Target([sys.executable], str(script), None, [str(tmp_path / "out")])
+    spare = Spare(target, dict(os.environ), str(tmp_path))
+    keeper = psutil.Process(spare.pid)
+    while not (below := keeper.children()):
+        time.sleep(0.01)
+    below[0].kill()
+    spare.popen.wait(timeout=30)
+    child = WarmChild([sys.executable, str(script), str(tmp_path / "out")], dict(os.environ),
+                      spare, target)
+    caplog.set_level("WARNING", logger="procckpt")
+    child.start()
+    assert not child.warm and "could not take the cycle" in caplog.text, caplog.text
+    assert child.wait(30) == 0
+    assert (tmp_path / "out").read_text() == "ran"

@@ -443,6 +443,7 @@ class Supervisor(RunLoop):
         self.hangs.start_cycle()
         started = self._clock()
         child.start()
+        warm = warm if warm is not None and warm.warm else None
         self.engine.child_started(child.pid)
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
         self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,

@@ -198,12 +198,22 @@ class WarmChild(Child):
                  target: Target) -> None:
         super().__init__(argv, env)
         self._spare, self._target = spare, target
+        #: Whether the cycle runs in the spare (False once it fell back to a cold start).
+        self.warm = False
 
     def start(self) -> None:
         spare = self._spare
+        try:
+            spare.go(self._target, self.env, os.getcwd())
+        except OSError as e:  # it died since it was last seen alive
+            logger.warning("warm restarts: the spare interpreter could not take the cycle "
+                           "(%s); it starts cold", e.strerror or e)
+            spare.close()
+            super().start()
+            return
         self._popen, self._lifeline = spare.popen, spare.lifeline
         spare.lifeline = -1  # the child's now: it closes it once the keeper exited
-        spare.go(self._target, self.env, os.getcwd())
+        self.warm = True
 
 
 class WarmRestarts:
