@@ -100,7 +100,7 @@ class Target:
             return os.path.dirname(os.path.realpath(os.path.join(cwd, self.script)))
         return cwd
 
-    def argv(self, cwd: str) -> list[str]:
+    def argv(self) -> list[str]:
         if self.script is not None:
             return [self.script, *self.args]
         # As `python -m` sets it: the module's file (runpy replaces it while it runs).
@@ -154,7 +154,6 @@ class Spare:
         finally:
             os.close(lifeline_r)
             os.close(go_r)
-        self.started = time.monotonic()
 
     @property
     def pid(self) -> int:
@@ -164,7 +163,7 @@ class Spare:
         return self.popen.poll() is None
 
     def go(self, target: Target, env: Mapping[str, str], cwd: str) -> None:
-        message = {"env": dict(env), "cwd": cwd, "argv": target.argv(cwd),
+        message = {"env": dict(env), "cwd": cwd, "argv": target.argv(),
                    "orig_argv": [*target.interpreter,
                                  *(["-m", target.module] if target.module is not None
                                    else [target.script]), *target.args],
