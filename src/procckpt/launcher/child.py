@@ -19,7 +19,7 @@ import psutil
 
 from ..errors import CommandNotFoundError
 
-__all__ = ["Child", "die_with_parent", "exit_code_of"]
+__all__ = ["Child", "die_with_parent", "exit_code_of", "start_behind_keeper"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,31 @@ def die_with_parent() -> None:
     the processes it starts."""
     if _prctl is not None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def start_behind_keeper(argv: Sequence[str], env: Mapping[str, str],
+                        popen: Callable[..., subprocess.Popen[Any]] = subprocess.Popen,
+                        pass_fds: Sequence[int] = (), cwd: str | None = None,
+                        ) -> tuple[subprocess.Popen[Any], int]:
+    """Start ``argv`` behind a keeper; the keeper's process and the write end of its
+    lifeline, which the caller holds alone and closes once the keeper exited.
+
+    A new session: the command and everything it starts form one process group that can be
+    signalled as a whole, and the terminal's Ctrl-C reaches only the launcher, which decides
+    what to do with it. The keeper (keeper.py) leads that session and kills everything below
+    it if the launcher dies: the read end of the lifeline is its only way to notice, since
+    the write end lives in the launcher alone. ``pass_fds`` reach the command too."""
+    lifeline_r, lifeline_w = os.pipe()
+    try:
+        process = popen([sys.executable, "-I", "-S", _KEEPER, str(lifeline_r), "--", *argv],
+                        env=dict(env), cwd=cwd, start_new_session=True,
+                        pass_fds=(lifeline_r, *pass_fds))
+    except BaseException:
+        os.close(lifeline_w)
+        raise
+    finally:
+        os.close(lifeline_r)
+    return process, lifeline_w
 
 
 def exit_code_of(returncode: int) -> int:
@@ -86,21 +111,8 @@ class Child:
         resolved = shutil.which(exe, path=self.env.get("PATH")) if "/" not in exe else exe
         if resolved is None or not os.access(resolved, os.X_OK) or os.path.isdir(resolved):
             raise CommandNotFoundError(f"command not found: {exe} (check the spelling and PATH)")
-        # A new session: the command and everything it starts form one process group that
-        # can be signalled as a whole, and the terminal's Ctrl-C reaches only the launcher,
-        # which decides what to do with it. The keeper (keeper.py) leads that session and
-        # kills everything below it if this process dies: the read end of the lifeline is
-        # its only way to notice, since the write end lives here alone.
-        lifeline_r, self._lifeline = os.pipe()
-        try:
-            self._popen = self._popen_factory(
-                [sys.executable, "-I", "-S", _KEEPER, str(lifeline_r), "--", *self.argv],
-                env=self.env, start_new_session=True, pass_fds=(lifeline_r,))
-        except BaseException:
-            self._close_lifeline()
-            raise
-        finally:
-            os.close(lifeline_r)
+        self._popen, self._lifeline = start_behind_keeper(self.argv, self.env,
+                                                          self._popen_factory)
 
     def poll(self) -> int | None:
         """The exit code once the command has exited (128+N if killed by signal N)."""

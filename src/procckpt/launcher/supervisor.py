@@ -437,13 +437,13 @@ class Supervisor(RunLoop):
             self.board.running(token, self.cycles, {
                 k: env[k] for k in (*engine_env, ctl.ENV_DIR, ctl.ENV_RESTART, ctl.ENV_CYCLE,
                                     ctl.ENV_ENGINE, ctl.ENV_AUDIT)})
-        warm = self.warm.take(argv, env) if self.warm is not None \
+        spare = self.warm.take(argv, env) if self.warm is not None \
             and argv == self.config.command else None
-        child = warm or self._child_factory(argv, env)
+        child = spare or self._child_factory(argv, env)
         self.hangs.start_cycle()
         started = self._clock()
         child.start()
-        warm = warm if warm is not None and warm.warm else None
+        warm = spare is not None and spare.warm  # (False where it fell back to a cold start)
         self.engine.child_started(child.pid)
         end = self.deadline.end(started, started)  # (a scheduler's limit is known from here)
         self.plan.refresh(self.hangs.step_seconds, self.hangs.longest_gap,

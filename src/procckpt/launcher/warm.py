@@ -29,15 +29,13 @@ import logging
 import os
 import re
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
 
 from ..protocol import control as ctl
-from ..store.cgroups import cgroup_room, memory_available
+from ..store.cgroups import memory_short
 from ..store.files import format_size
-from .child import _KEEPER, Child
+from .child import Child, start_behind_keeper
 
 __all__ = ["BOOTSTRAP", "WarmRestarts", "warm_restarts", "warm_target"]
 
@@ -106,6 +104,11 @@ class Target:
         # As `python -m` sets it: the module's file (runpy replaces it while it runs).
         return ["-m", *self.args]
 
+    def orig_argv(self) -> list[str]:
+        """The command line, as a cold start's ``sys.orig_argv`` holds it."""
+        run = [self.script] if self.script is not None else ["-m", str(self.module)]
+        return [*self.interpreter, *run, *self.args]
+
 
 def warm_target(command: Sequence[str]) -> Target | str:
     """The command as a spare would run it, or why none can."""
@@ -140,19 +143,15 @@ class Spare:
     """One spare interpreter behind its keeper, waiting for :meth:`go`."""
 
     def __init__(self, target: Target, env: Mapping[str, str], cwd: str) -> None:
-        lifeline_r, self.lifeline = os.pipe()
         go_r, self._go = os.pipe()
         try:
-            argv = [*target.interpreter, "-c", BOOTSTRAP, str(go_r), target.path0(cwd)]
-            self.popen: subprocess.Popen[Any] = subprocess.Popen(
-                [sys.executable, "-I", "-S", _KEEPER, str(lifeline_r), "--", *argv],
-                env=dict(env), cwd=cwd, start_new_session=True, pass_fds=(lifeline_r, go_r))
+            self.popen, self.lifeline = start_behind_keeper(
+                [*target.interpreter, "-c", BOOTSTRAP, str(go_r), target.path0(cwd)], env,
+                pass_fds=(go_r,), cwd=cwd)
         except BaseException:
-            os.close(self.lifeline)
             os.close(self._go)
             raise
         finally:
-            os.close(lifeline_r)
             os.close(go_r)
 
     @property
@@ -164,10 +163,8 @@ class Spare:
 
     def go(self, target: Target, env: Mapping[str, str], cwd: str) -> None:
         message = {"env": dict(env), "cwd": cwd, "argv": target.argv(),
-                   "orig_argv": [*target.interpreter,
-                                 *(["-m", target.module] if target.module is not None
-                                   else [target.script]), *target.args],
-                   "module": target.module, "script": target.script}
+                   "orig_argv": target.orig_argv(), "module": target.module,
+                   "script": target.script}
         data = json.dumps(message).encode()
         try:
             while data:
@@ -223,7 +220,6 @@ class WarmRestarts:
         self.target = target
         self._spare: Spare | None = None
         self._now = now
-        self.served = 0
         self._look_again = float("-inf")
         self._said_no_room = False
 
@@ -259,7 +255,6 @@ class WarmRestarts:
                            "restart starts cold", spare.popen.returncode)
             spare.close()
             return None
-        self.served += 1
         return WarmChild(argv, env, spare, self.target)
 
     def close(self) -> None:
@@ -277,14 +272,9 @@ _ROOM_LOOKS = 30.0
 
 def _no_room() -> str | None:
     """Why there is no room for a spare now, or None if there is."""
-    available, room = memory_available(), cgroup_room()
-    if available is not None and available < SPARE_ROOM:
-        return (f"the machine has {format_size(available)} available, a spare needs about "
-                f"{format_size(SPARE_ROOM)} with a margin")
-    if room is not None and room < SPARE_ROOM:
-        return (f"this process's cgroup may take {format_size(max(room, 0))} more, a spare "
-                f"needs about {format_size(SPARE_ROOM)} with a margin")
-    return None
+    short = memory_short(SPARE_ROOM)
+    return None if short is None else \
+        f"{short}, a spare needs about {format_size(SPARE_ROOM)} with a margin"
 
 
 def _a_rank(env: Mapping[str, str]) -> bool:
@@ -302,11 +292,9 @@ def _a_rank(env: Mapping[str, str]) -> bool:
 def warm_restarts(enabled: bool, engine: str, command: Sequence[str],
                   alone: bool) -> Iterator[WarmRestarts | None]:
     """The run's warm restarts while it lasts (None where there are none: said once why)."""
-    why: str | None = None
     target = warm_target(command)
-    if not enabled:
-        why = None
-    elif engine != "hooks":
+    why: str | None = None
+    if engine != "hooks":
         why = f"not with the {engine} engine (it starts the command itself)"
     elif not alone:
         why = "not for a run on several nodes"
@@ -314,8 +302,8 @@ def warm_restarts(enabled: bool, engine: str, command: Sequence[str],
         why = "not for a rank of a group (srun's tasks, WORLD_SIZE above 1)"
     elif isinstance(target, str):
         why = f"not for this command: {target}"
-    if not enabled or why is not None or isinstance(target, str):
-        if why is not None:
+    if not enabled or isinstance(target, str) or why is not None:
+        if enabled:
             logger.info("warm restarts: %s; a restart starts a new interpreter", why)
         yield None
         return

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["cgroup_room", "memory_available"]
+from .files import format_size
+
+__all__ = ["cgroup_room", "memory_available", "memory_short"]
 
 #: A v1 limit of this or more is no limit (the kernel's "unlimited", rounded to pages).
 _V1_UNLIMITED = 1 << 62
@@ -87,4 +89,16 @@ def memory_available() -> int | None:
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def memory_short(need: int) -> str | None:
+    """What leaves less than ``need`` bytes of memory, in words ('the machine has 1.2 GB
+    available', "this process's cgroup may take 300.0 MB more"), or None if nothing does."""
+    available = memory_available()
+    if available is not None and available < need:
+        return f"the machine has {format_size(available)} available"
+    room = cgroup_room()
+    if room is not None and room < need:
+        return f"this process's cgroup may take {format_size(max(room, 0))} more"
     return None

@@ -28,7 +28,7 @@ from ...errors import ProcckptError
 from ...protocol.control import ENV_TIER
 from ...protocol.events import append_event
 from ...store import CheckpointStore
-from ...store.cgroups import cgroup_room, memory_available
+from ...store.cgroups import memory_short
 from ...store.files import format_size
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .writer import payload_bytes, write_checkpoint
@@ -61,13 +61,8 @@ def tier_room(root: Path, nbytes: int) -> str | None:
                 f"{root.parent}, which has {format_size(free)} free")
     needs = (f"it needs {format_size(need)} of memory ({_FILES} slots and a copy of "
              f"{format_size(nbytes)}, and a margin)")
-    available = memory_available()
-    if available is not None and available < need:
-        return f"{needs}, and the machine has {format_size(available)} available"
-    room = cgroup_room()
-    if room is not None and room < need:
-        return f"{needs}, and this process's cgroup may take {format_size(max(room, 0))} more"
-    return None
+    short = memory_short(need)
+    return None if short is None else f"{needs}, and {short}"
 
 
 class TierWriter:
