@@ -144,10 +144,11 @@ def slurm_cluster(tmp_path_factory):
 
 
 @contextlib.contextmanager
-def memory_cgroup(limit: int) -> Iterator[Path]:
+def memory_cgroup(limit: int) -> Iterator[list[str]]:
     """A real memory cgroup (v1, or v2 with the memory controller) below this process's own,
-    limited to ``limit`` bytes; yields its ``cgroup.procs``, into which a command moves itself.
-    Skips the test where none can be made (not root, no such hierarchy)."""
+    limited to ``limit`` bytes; yields the prefix of a command that runs in it (a shell that
+    moves itself there, then execs the command). Skips the test where none can be made (not
+    root, no such hierarchy)."""
     lines = Path("/proc/self/cgroup").read_text().splitlines()
     v1 = [line.split(":", 2)[2] for line in lines if "memory" in line.split(":", 2)[1].split(",")]
     if v1:
@@ -172,7 +173,7 @@ def memory_cgroup(limit: int) -> Iterator[Path]:
     except OSError as e:
         pytest.skip(f"cannot make a memory cgroup in {parent}: {e.strerror}")
     try:
-        yield group / "cgroup.procs"
+        yield ["sh", "-c", f'echo $$ > {group / "cgroup.procs"} && exec "$@"', "sh"]
     finally:
         for _ in range(100):  # its processes gone, it can be removed
             try:

@@ -161,8 +161,8 @@ def test_a_cgroup_without_room_for_the_tier_is_said_in_one_line_and_the_run_goes
     OOM killer. The check counts page cache not recently used as room (a checkpoint just
     written leaves it), and every limit above the cgroup too."""
     ckpt = workdir / "ckpt"
-    with memory_cgroup(900 << 20) as procs:
-        res = run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *procckpt_argv(),
+    with memory_cgroup(900 << 20) as in_cgroup:
+        res = run([*in_cgroup, *procckpt_argv(),
                    "run", "--dir", str(ckpt), "--interval", "2s", "--", *TINY, "--epochs", "1",
                    "--width", "650000", "--batch-size", "4", "--step-sleep", "0.02"],
                   cwd=workdir, timeout=300)

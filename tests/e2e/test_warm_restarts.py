@@ -94,8 +94,8 @@ def test_no_spare_where_the_cgroup_has_no_room_for_one(workdir: Path):
     MB, started only where 768 MB are left) would take it near its OOM killer, which would kill
     the training: the restart starts cold, and one line says why."""
     lives = workdir / "l"
-    with memory_cgroup(700 << 20) as procs:
-        done = run(["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh", *procckpt_argv(),
+    with memory_cgroup(700 << 20) as in_cgroup:
+        done = run([*in_cgroup, *procckpt_argv(),
                     "run", "--dir", "ckpt", "--restart-on-failure", "--", PYTHON,
                     str(PROGRAMS / "warm_train.py"), "--kill-at", "40", "--lives", str(lives),
                     "--out", "o.pt"], cwd=workdir, env=WARM, timeout=600)
