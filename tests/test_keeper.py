@@ -6,27 +6,24 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
 
-from procckpt.launcher import child
+from procckpt.launcher.child import start_behind_keeper
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def keeper() -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def keeper() -> Iterator[tuple[subprocess.Popen[Any], int]]:
     """The keeper in front of `sleep 600`, as the launcher starts it: the keeper and the
     write end of its lifeline."""
-    read, write = os.pipe()
-    proc = subprocess.Popen([sys.executable, "-I", "-S", child._KEEPER, str(read), "--",
-                             "sleep", "600"], pass_fds=(read,), start_new_session=True)
-    os.close(read)
+    proc, write = start_behind_keeper(["sleep", "600"], os.environ)
     try:
         yield proc, write
     finally:
