@@ -67,7 +67,7 @@ def test_a_slot_is_written_every_k_safe_points_as_its_copy_allows(tmp_path: Path
                                                                   monkeypatch):
     monkeypatch.setenv("PROCCKPT_MEMORY_TIER_DIR", str(tmp_path / "tier"))
     journal = tmp_path / "events.jsonl"
-    writer = TierWriter.from_environment(journal, group=False)
+    writer = TierWriter.from_environment(journal)
     assert writer is not None
     state = {"w": torch.randn(4 << 20)}  # 16 MB: a copy of milliseconds
     step = 0
@@ -84,7 +84,97 @@ def test_a_slot_is_written_every_k_safe_points_as_its_copy_allows(tmp_path: Path
     assert planned and planned[0]["every"] > 1 and planned[0]["bytes"] >= 16 << 20
     slots = writer.store.checkpoints()
     assert 1 <= len(slots) <= 2 and slots[0].step < 30
-    assert TierWriter.from_environment(journal, group=True) is None  # not in a group yet
+
+
+def _rank_slot(tier: Path, rank: int, step: int) -> None:
+    store = CheckpointStore(tier / f"rank-{rank:05d}", keep=2).open()
+    meta = {"step": step, "epoch": 0, "batch": step, "reason": "memory", "world_size": 2,
+            "sharded": []}
+    if rank == 0:
+        write_checkpoint(store, meta, {"w": torch.full((1000,), float(step))})
+    else:
+        write_checkpoint(store, meta, {"format": 1, "rank": rank, "step": step},
+                         name=f"rank-{rank:05d}.pt")
+
+
+def test_a_group_keeps_the_newest_step_every_rank_holds_intact(tmp_path: Path):
+    """Rank 0 wrote step 7, rank 1 was killed in the middle of its slot of step 7: the
+    group's checkpoint is step 5, rank 0's state beside rank 1's file."""
+    tier, store = LauncherTier(tmp_path / "tier"), CheckpointStore(tmp_path / "ckpt").open()
+    for step in (3, 5, 7):
+        _rank_slot(tier.path, 0, step)
+    for step in (3, 5):
+        _rank_slot(tier.path, 1, step)
+    (tier.path / "rank-00001" / "checkpoints" / ".tmp-ckpt-00000003-1-abc").mkdir()
+    kept = tier.keep_newest(store, 1)
+    assert kept is not None and kept.step == 5 and kept.manifest["world_size"] == 2
+    assert sorted(kept.manifest["files"]) == ["rank-00001.pt", "state.pt"]
+    assert torch.equal(torch.load(kept.path / "state.pt", weights_only=True)["w"],
+                       torch.full((1000,), 5.0))
+    assert torch.load(kept.path / "rank-00001.pt", weights_only=True)["step"] == 5
+    assert store.verify(kept.path) is None
+    _rank_slot(tier.path, 1, 7)  # now both hold step 7
+    kept = tier.keep_newest(store, 2)
+    assert kept is not None and kept.step == 7
+
+
+def test_a_group_without_a_rank_s_slots_keeps_nothing(tmp_path: Path):
+    tier, store = LauncherTier(tmp_path / "tier"), CheckpointStore(tmp_path / "ckpt").open()
+    _rank_slot(tier.path, 0, 5)
+    assert tier.keep_newest(store, 1) is None
+    assert store.checkpoints() == []
+
+
+class _Member:
+    """The Checkpointer as the group's tier sees it: its step and its state."""
+
+    step = 4
+
+    def replicated_payload(self, exclude: set[str]) -> dict:
+        return {"w": torch.zeros(10)}
+
+    def rank_payload(self) -> dict:
+        return {"rng": torch.zeros(2)}
+
+
+def test_ranks_write_slots_only_where_the_group_agreed(tmp_path: Path, monkeypatch):
+    from procckpt.training.group.tier import GroupTier
+    from procckpt.training.link.flags import Flags
+
+    monkeypatch.setenv("PROCCKPT_MEMORY_TIER_DIR", str(tmp_path))
+    zero = GroupTier.from_environment(None, 0, 2, sharded=False)
+    one = GroupTier.from_environment(None, 1, 2, sharded=False)
+    assert zero is not None and one is not None
+    meta = lambda: {"step": 4, "epoch": 0, "batch": 4}  # noqa: E731
+    for tier in (zero, one):
+        tier.at_safe_point(0.0, None, True, _Member(), meta, lambda: None)
+        tier.at_safe_point(0.1, None, True, _Member(), meta, lambda: None)
+    flags = [Flags(), Flags()]
+    zero.mark(flags[0])
+    one.mark(flags[1])
+    assert flags[0].tier_due and not flags[1].tier_due  # rank 0's cadence decides
+    # A rank still writing its last slot: nobody writes one.
+    busy = Flags(tier_due=True, tier_busy=True)
+    for tier in (zero, one):
+        tier.at_safe_point(0.2, busy, True, _Member(), meta, lambda: None)
+        tier.close()
+    assert not any((tmp_path / r).exists() and list((tmp_path / r / "checkpoints").iterdir())
+                   for r in ("rank-00000", "rank-00001"))
+    for tier in (zero, one):
+        tier.at_safe_point(0.3, Flags(tier_due=True), True, _Member(), meta, lambda: None)
+        tier.close()
+    kept = LauncherTier(tmp_path).keep_newest(CheckpointStore(tmp_path / "ckpt").open(), 1)
+    assert kept is not None and kept.step == 4
+    assert sorted(kept.manifest["files"]) == ["rank-00001.pt", "state.pt"]
+    # A rank whose tier is off turns every rank's off.
+    one.writer.turn_off("no room")
+    flags = [Flags(), Flags()]
+    zero.mark(flags[0])
+    one.mark(flags[1])
+    assert flags[1].tier_off
+    zero.at_safe_point(0.4, Flags(tier_off=True), True, _Member(), meta, lambda: None)
+    assert zero.writer.off is not None
+    assert GroupTier.from_environment(None, 0, 2, sharded=True) is None
 
 
 def test_tiers_left_by_dead_launchers_are_swept_and_live_ones_kept(tmp_path: Path):

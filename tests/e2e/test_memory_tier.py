@@ -1,10 +1,12 @@
 """The memory tier (issue 55): a training killed as the OOM killer kills resumes from the state
 it kept every few steps in the launcher's memory, not from its last checkpoint; a slot torn by
 the kill is passed over; a launcher killed too leaves the store to resume from and its tier to
-the next launcher's sweep; a tier that does not fit is said in one line and the run goes on."""
+the next launcher's sweep; a tier that does not fit is said in one line and the run goes on;
+in a group of ranks, one rank killed, the group resumes from the newest step all ranks kept."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,12 +14,14 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from procckpt.store import CheckpointStore
 from procckpt.store.pending import ENV_COMMIT_PAUSE
 
 from ..conftest import assert_bit_identical, memory_cgroup, mounted_tmpfs, procckpt_argv, run
 from ..harness.processes import TINY, events, reference
+from .test_torchrun import DDP, assert_same_run, torchrun, uninterrupted
 
 #: 32 steps an epoch (batch 32), 96 in all, 50 ms each.
 ARGS = ["--epochs", "3", "--n", "1024", "--step-sleep", "0.05"]
@@ -187,3 +191,61 @@ def test_a_crash_that_repeats_at_one_step_ends_the_run_in_a_line(workdir: Path):
     kept = events(ckpt, "tier-kept")
     assert kept and all(30 <= k["step"] < 40 for k in kept), kept
     assert 1 <= len(events(ckpt, "restart")) <= 2, res.stderr[-3000:]
+
+
+def _ranks(keeper_pid: int) -> dict[int, psutil.Process]:
+    """The group's workers below torchrun, by rank."""
+    workers = {}
+    for proc in psutil.Process(keeper_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            rank = proc.environ().get("RANK")
+            if rank is not None and "torchrun" not in " ".join(proc.cmdline()):
+                workers[int(rank)] = proc
+    return workers
+
+
+def _newest_slot(tier: Path, rank: int) -> int:
+    slots = CheckpointStore(tier / f"rank-{rank:05d}").checkpoints() \
+        if (tier / f"rank-{rank:05d}" / "checkpoints").is_dir() else []
+    return max((s.step for s in slots if s.step is not None), default=-1)
+
+
+@pytest.mark.slow
+def test_a_group_with_one_rank_killed_resumes_from_the_newest_step_every_rank_kept(
+        workdir: Path):
+    """2 gloo ranks under torchrun, each keeping its part in the tier at the steps they
+    agreed on; rank 1 SIGKILLed once both hold a slot past step 20: the launcher keeps the
+    newest step both ranks hold intact as one group checkpoint, and the run resumes from it
+    (not from step 0: no checkpoint was taken) and ends bit-identical on both ranks."""
+    args = ["--epochs", "2", "--train-size", "1024", "--sleep", "0.1"]  # 64 steps
+    expected = uninterrupted(workdir, DDP, args, "reference")
+    ckpt, out = workdir / "ckpt", workdir / "out"
+    err = workdir / "launcher.err"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PROCCKPT_TOKEN": ""}
+    proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "off",
+                             "--", *torchrun(2, DDP, *args, "--out", str(out))], cwd=workdir,
+                            env=env, text=True, stdout=subprocess.DEVNULL,
+                            stderr=open(err, "w"))
+    try:
+        deadline = time.monotonic() + 300
+        held = -1
+        while held < 20:
+            assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+            time.sleep(0.05)
+            roots = [e["root"] for e in events(ckpt, "memory-tier") if "root" in e]
+            if roots:  # (rank 0's own slots, in the launcher's directory)
+                held = min(_newest_slot(Path(roots[0]).parent, rank) for rank in (0, 1))
+        tier = Path(roots[0]).parent
+        rank1 = _ranks(events(ckpt, "cycle")[-1]["pid"])[1]
+        rank1.kill()
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = err.read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    kept = events(ckpt, "tier-kept")
+    assert len(kept) == 1 and held <= kept[0]["step"] <= held + 16, (held, kept)
+    assert [e["step"] for e in events(ckpt, "resume")] == [kept[0]["step"]], stderr[-3000:]
+    assert not tier.exists()
+    assert_same_run(expected, out)

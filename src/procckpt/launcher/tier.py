@@ -21,6 +21,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ..errors import ProcckptError
 from ..protocol.control import ENV_TIER
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 ENV_TIER_ROOT = "PROCCKPT_MEMORY_TIER_ROOT"
 DEFAULT_ROOT = Path("/dev/shm")
 _PREFIX = "procckpt-tier-"
+#: A group's rank's slots (training/group/tier.py).
+_RANK_DIR = "rank-{rank:05d}"
+#: A slot to keep: its meta, its files, when it was written.
+_Slot = tuple[dict[str, Any], list[Path], Any]
 #: Manifest keys the store writes itself; the rest is the checkpoint's meta.
 _STORE_KEYS = frozenset({"format", "seq", "time", "host", "pid", "files", "bytes", "chunks",
                          "written"})
@@ -54,24 +59,20 @@ class LauncherTier:
 
     def keep_newest(self, store: CheckpointStore, cycle: int) -> CheckpointInfo | None:
         """Copy the tier's newest intact slot into ``store`` if it is newer than the newest
-        checkpoint there; the checkpoint made, or None. Never raises for the tier's sake: a
-        failure here leaves the store as it was, and the run goes on from it."""
+        checkpoint there (a group's: the newest step every rank holds intact); the checkpoint
+        made, or None. Never raises for the tier's sake: a failure here leaves the store as
+        it was, and the run goes on from it."""
         try:
-            slots = self.store.checkpoints()
-            if not slots or slots[0].step is None:
-                return None
             held = store.checkpoints()
             newest = held[0].step if held else None
-            if newest is not None and newest >= slots[0].step:
+            slot = self._newest_slot(newest)
+            if slot is None:
                 return None
-            slot = self.store.newest_intact()  # the CRCs read: a torn slot is passed over
-            if slot is None or slot.step is None or (newest is not None and newest >= slot.step):
-                return None
+            meta, files, saved_at = slot
             started = time.monotonic()
-            meta = {k: v for k, v in slot.manifest.items() if k not in _STORE_KEYS}
             with store.begin(meta) as pending:
-                for name in slot.manifest["files"]:
-                    pending.adopt_file(slot.path / name, copy=True)
+                for path in files:
+                    pending.adopt_file(path, copy=True)
                 info = pending.commit()
             seconds = time.monotonic() - started
         except (OSError, ProcckptError) as e:
@@ -84,12 +85,65 @@ class LauncherTier:
         append_event(store.events_path, "tier-kept", checkpoint=info.name, step=info.step,
                      epoch=info.epoch, batch=meta.get("batch"), bytes=info.nbytes,
                      seconds=round(seconds, 4), before=newest, cycle=cycle,
-                     saved_at=slot.manifest.get("time"))
+                     saved_at=saved_at)
         store.prune()
         return info
 
+    def _newest_slot(self, newer_than: int | None) -> _Slot | None:
+        """The newest intact slot past ``newer_than``: its meta, its files, when it was
+        written. A torn slot is passed over (its CRCs are read)."""
+        first = self.path / _RANK_DIR.format(rank=0)
+        if first.is_dir():
+            return _newest_group_slot(self.path, newer_than)
+        slots = self.store.checkpoints()
+        if not slots or slots[0].step is None or not _newer(slots[0].step, newer_than):
+            return None
+        slot = self.store.newest_intact()
+        if slot is None or slot.step is None or not _newer(slot.step, newer_than):
+            return None
+        return _meta_of(slot), [slot.path / name for name in slot.manifest["files"]], \
+            slot.manifest.get("time")
+
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _newest_group_slot(root: Path, newer_than: int | None) -> _Slot | None:
+    """A group's newest step past ``newer_than`` that every rank holds intact, as one
+    checkpoint: rank 0's state and meta, every other rank's rank file."""
+    first = CheckpointStore(root / _RANK_DIR.format(rank=0))
+    for slot in first.checkpoints():  # newest first
+        if slot.step is None or not _newer(slot.step, newer_than):
+            return None
+        if first.verify(slot.path) is not None:
+            continue
+        world = int(slot.manifest.get("world_size") or 1)
+        files = [slot.path / name for name in slot.manifest["files"]]
+        for rank in range(1, world):
+            part = _intact_at(CheckpointStore(root / _RANK_DIR.format(rank=rank)), slot.step)
+            if part is None:
+                break
+            files.extend(part.path / name for name in part.manifest["files"])
+        else:
+            return _meta_of(slot), files, slot.manifest.get("time")
+    return None
+
+
+def _intact_at(store: CheckpointStore, step: int) -> CheckpointInfo | None:
+    if not store.root.is_dir():
+        return None
+    for slot in store.checkpoints():
+        if slot.step == step and store.verify(slot.path) is None:
+            return slot
+    return None
+
+
+def _newer(step: int, than: int | None) -> bool:
+    return than is None or step > than
+
+
+def _meta_of(slot: CheckpointInfo) -> dict[str, Any]:
+    return {k: v for k, v in slot.manifest.items() if k not in _STORE_KEYS}
 
 
 @contextlib.contextmanager

@@ -31,14 +31,15 @@ from . import group as dist_
 from . import loops
 from .audit import OFF, BatchAudit, audit_mode
 from .fingerprints import CheckHook, check_hook
+from .group.tier import GroupTier
 from .link.context import DEFAULT_DIR, LaunchContext, default_dir, dir_and_remote, open_control
+from .link.flags import Flags
 from .link.liveness import Liveness, NoLiveness
 from .link.timing import CycleTimer
 from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
-from .save.tier import TierWriter
-from .saving import Saves, background_savers, frozen_chunks
+from .saving import Saves, background_savers, frozen_chunks, memory_tier
 from .state.first_step import ADVICE, StateExpectation, live_state
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
@@ -163,8 +164,7 @@ class Checkpointer:
                                 frozen=frozen_chunks(self.store, self._statefuls, self.is_writer))
             self._saves.longest_gap = lambda: self._liveness.longest_gap
             #: The newest state every few steps in the launcher's memory (save/tier.py).
-            self._tier = TierWriter.from_environment(
-                self._journal, group=self._dist is not None or not self.is_writer)
+            self._tier = memory_tier(self._journal, self._dist, self.is_writer, self._statefuls)
 
             if self.is_writer:
                 self.store.open()
@@ -372,15 +372,16 @@ class Checkpointer:
         self._liveness.at_safe_point(self.step, now)  # the gap since the last one, measured
         self._timer.at_safe_point(now)
         try:
-            self._act_at_safe_point(now, epoch_end, defer)
+            agreed = self._act_at_safe_point(now, epoch_end, defer)
             if self._tier is not None:
-                self._keep_in_tier(now, defer)
+                self._keep_in_tier(now, defer, agreed)
         finally:
             self._liveness.left_safe_point()
 
-    def _keep_in_tier(self, now: float, defer: bool) -> None:
+    def _keep_in_tier(self, now: float, defer: bool, agreed: Flags | None) -> None:
         """The memory tier's turn at this safe point: not where a checkpoint was just taken,
-        nor where one would wait for the next safe point (an epoch's last batch)."""
+        nor where one would wait for the next safe point (an epoch's last batch). In a group
+        (``agreed``: the group's flags at an agreement step), as every rank decides alike."""
         assert self._tier is not None
         if self.store.adopt is not None:  # (set by an integration after __init__)
             logger.info("memory tier: not used: each checkpoint holds files the framework "
@@ -389,28 +390,39 @@ class Checkpointer:
             self._tier = None
             return
         position = self._progress.position
+        if isinstance(self._tier, GroupTier):
+            saved = agreed is not None and self._triggers.reason_for(agreed) is not None
+            self._tier.at_safe_point(now, agreed, not defer and not saved, self._member,
+                                     lambda: self._meta("memory"),
+                                     lambda: self._audit.saved(position))
+            return
         self._tier.at_safe_point(now, not defer and self._saves.saved_at != position,
                                  lambda: self._meta("memory"), self._payload,
                                  lambda: self._audit.saved(position))
 
-    def _act_at_safe_point(self, now: float, epoch_end: bool, defer: bool = False) -> None:
+    def _act_at_safe_point(self, now: float, epoch_end: bool,
+                           defer: bool = False) -> Flags | None:
+        """Checkpoint here if wanted (in a group: if agreed); the group's flags at an
+        agreement step, None elsewhere."""
         self._check.at_safe_point(self, epoch_end, defer=defer)  # under procckpt check only
         triggers = self._triggers
         flags = triggers.wanted(now, epoch_end, self.epoch)
+        agreed = None
         if self._dist is not None:
             # Ranks act only on what the whole group agreed on, at the same step.
             agreed = self._dist.agree(self._member, flags, epoch_end)
             if agreed is None:
-                return
+                return None
             triggers.adopt(agreed)
             flags = agreed
         if flags is None or defer:
-            return  # the common case, every step: nothing to save (a deferred wish is kept)
+            return agreed  # the common case, every step: nothing to save (a wish is kept)
         if (reason := triggers.reason_for(flags)) is None:
-            return
+            return agreed
         triggers.best_pending = False
         with self._liveness.working():  # procckpt's own work is no hang of the training
             self._checkpoint(reason)
+        return agreed
 
     def _end_if_storage_failed(self) -> None:
         """A background checkpoint failed for a reason that will repeat (no space left, no

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,15 +21,17 @@ from ..protocol.switches import FROZEN_ONCE
 from ..store import CheckpointInfo, CheckpointStore
 from .group import DistributedCoordinator, GroupWrites, sharded_of
 from .group.shard_writes import ShardWrites
+from .group.tier import GroupTier
 from .link.triggers import SaveTriggers
 from .save.arena import NotSnapshottable
 from .save.background import BackgroundSaver, WriteResult, async_wanted, staged
 from .save.fence import StepFence
 from .save.frozen import FrozenChunks
+from .save.tier import TierWriter
 from .save.writer import write_checkpoint
 from .state.payload import PAYLOAD
 
-__all__ = ["Saves", "background_savers", "frozen_chunks"]
+__all__ = ["Saves", "background_savers", "frozen_chunks", "memory_tier"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,18 @@ def background_savers(store: CheckpointStore, group: DistributedCoordinator | No
     background = BackgroundSaver(store, PAYLOAD, fence)
     group.writes = GroupWrites(group, background, ShardWrites(sharded) if sharded else None)
     return background, group.writes
+
+
+def memory_tier(journal: Path | None, group: DistributedCoordinator | None, is_writer: bool,
+                statefuls: dict[str, Any]) -> TierWriter | GroupTier | None:
+    """This process's side of the launcher's memory tier, if the launcher made one: alone,
+    or as one rank of a group (its coordinator then brings it to every agreement)."""
+    if group is None:
+        return TierWriter.from_environment(journal) if is_writer else None
+    tier = GroupTier.from_environment(journal, group.rank, group.world_size,
+                                      bool(sharded_of(statefuls)))
+    group.tier = tier
+    return tier
 
 
 def frozen_chunks(store: CheckpointStore, statefuls: dict[str, Any],

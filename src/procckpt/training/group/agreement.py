@@ -62,7 +62,8 @@ class RankAgreement:
             self._per_step = (now - last_time) / (step - last_step)
         per_step = self._per_step
         t = torch.tensor([flags.stop, flags.checkpoint, flags.interval, flags.best, flags.epoch,
-                          flags.seq, per_step, flags.writing, flags.failed],
+                          flags.seq, per_step, flags.writing, flags.failed, flags.tier_due,
+                          flags.tier_busy, flags.tier_off],
                          dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         let_go(t)
@@ -78,7 +79,8 @@ class RankAgreement:
         if self._last is None or step > self._last[0]:
             self._last = (step, self._clock())
         return Flags(stop=v[0] > 0, checkpoint=v[1] > 0, interval=v[2] > 0, best=v[3] > 0,
-                     epoch=v[4] > 0, seq=int(v[5]), writing=v[7] > 0, failed=v[8] > 0)
+                     epoch=v[4] > 0, seq=int(v[5]), writing=v[7] > 0, failed=v[8] > 0,
+                     tier_due=v[9] > 0, tier_busy=v[10] > 0, tier_off=v[11] > 0)
 
 
 def device_for_group(group: Any = None) -> torch.device:

@@ -9,7 +9,8 @@ others blocked in the next gradient all-reduce, so the ranks *agree* first:
     ----------------------------------------------   ----------------------------------------
     polls control/ (every 0.2 s), notes signals  ->  at agreement steps: all_reduce(MAX) of
                                                      [stop, checkpoint, interval, best, epoch,
-                                                      request seq, seconds per step]
+                                                      request seq, seconds per step,
+                                                      writes in flight, the memory tier]
     <-  every rank gets the same answer, so all save at the same step (or none does)
 
 The agreement's timing is in agreement.py.
@@ -70,7 +71,7 @@ from .backend_threads import let_go, settle_at_exit
 from .sums import gather_sums
 
 __all__ = ["DistributedCoordinator", "GroupMember", "WorldSizeMismatch", "coordinator_for",
-           "write_synced", "RANK_FILE", "RANK_FILE_FORMAT"]
+           "write_synced", "rank_part", "RANK_FILE", "RANK_FILE_FORMAT"]
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class DistributedCoordinator:
         #: The background side of this rank's group checkpoints (writes.GroupWrites),
         #: when checkpoints are written in the background.
         self.writes: Any = None
+        #: This rank's side of the memory tier (tier.GroupTier), when the launcher made one.
+        self.tier: Any = None
         self.frozen_shards = FrozenShards()
 
     # small collectives ---------------------------------------------------------------------
@@ -186,6 +189,8 @@ class DistributedCoordinator:
         local = local or Flags()
         if self.writes is not None:
             self.writes.mark(local)
+        if self.tier is not None:
+            self.tier.mark(local)
         agreed = self.agreement.reduce(local, ck.step)
         if self.writes is not None:
             self.writes.settle(ck, agreed)
@@ -229,9 +234,8 @@ class DistributedCoordinator:
                     with staged(saver, payload if plan is None else plan.payload) as state:
                         save_payload(pending, ck.payload_name, state, plan)
                 else:
-                    write_synced(tmp / RANK_FILE.format(rank=self.rank), {
-                        "format": RANK_FILE_FORMAT, "rank": self.rank,
-                        "world_size": self.world_size, "step": ck.step, **ck.rank_payload()})
+                    write_synced(tmp / RANK_FILE.format(rank=self.rank),
+                                 rank_part(ck, self.rank, self.world_size))
             except Exception as e:
                 error, lasting = str(e), _lasting(e, ck.store.root)
         failed = self.any_rank(error is not None)
@@ -429,6 +433,12 @@ def _lasting(error: BaseException, root: Path) -> StorageError | None:
         if lasting is not None:
             return lasting
     return None
+
+
+def rank_part(ck: GroupMember, rank: int, world_size: int) -> dict[str, Any]:
+    """What rank ``rank`` > 0 writes into its rank file: its own random streams."""
+    return {"format": RANK_FILE_FORMAT, "rank": rank, "world_size": world_size,
+            "step": ck.step, **ck.rank_payload()}
 
 
 def write_synced(path: Path, obj: Any) -> None:

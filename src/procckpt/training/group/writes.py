@@ -37,7 +37,7 @@ from ..sharded.dcp import dcp_errors, dcp_failure
 from ..sharded.files import Sums
 from ..sharded.frozen import FrozenPart, split_frozen
 from . import coordinator as files  # write_synced looked up when used: tests replace it
-from .coordinator import RANK_FILE, RANK_FILE_FORMAT, DistributedCoordinator, GroupMember
+from .coordinator import RANK_FILE, DistributedCoordinator, GroupMember, rank_part
 from .shard_writes import ShardWrites
 
 __all__ = ["GroupWrites"]
@@ -102,8 +102,7 @@ class GroupWrites:
         if coordinator.rank == 0:
             part = ck.replicated_payload(exclude=sharded)
         else:
-            part = {"format": RANK_FILE_FORMAT, "rank": coordinator.rank,
-                    "world_size": coordinator.world_size, "step": ck.step, **ck.rank_payload()}
+            part = rank_part(ck, coordinator.rank, coordinator.world_size)
         if self.shards is None:
             return part, None, {}
         live, frozen = split_frozen(self.shards.sharded, self.shards.live())

@@ -21,6 +21,11 @@ class Flags:
     seq: int = 0  # the newest launcher request this rank has seen
     writing: bool = False  # its part of a background group checkpoint is still being written
     failed: bool = False  # writing its part failed
+    # The memory tier (group/tier.py): rank 0's slot is due; a rank's slot is still being
+    # written; a rank's tier is off (then every rank's is).
+    tier_due: bool = False
+    tier_busy: bool = False
+    tier_off: bool = False
 
     def reason(self) -> str | None:
         for name in ("stop", "checkpoint", "interval", "best", "epoch"):

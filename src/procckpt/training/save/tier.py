@@ -68,10 +68,12 @@ def tier_room(root: Path, nbytes: int) -> str | None:
 class TierWriter:
     """Writes the state into the launcher's tier every few safe points (see the module)."""
 
-    def __init__(self, root: Path, journal: Path | None) -> None:
+    def __init__(self, root: Path, journal: Path | None, name: str = "state.pt") -> None:
         self.root = root
         self.store = CheckpointStore(root, keep=2)
         self.journal = journal
+        #: The file each slot's state goes into (a group's other ranks: their rank file).
+        self.name = name
         self.arena = HostArena()
         #: Why the tier is off for the rest of this process, once it is.
         self.off: str | None = None
@@ -85,24 +87,24 @@ class TierWriter:
         self._nbytes = 0
         self._thread: threading.Thread | None = None
         self._said_every: int | None = None
+        #: Whether the cadence goes to the log (in a group: rank 0's, the one that counts).
+        self.says = True
 
     @classmethod
-    def from_environment(cls, journal: Path | None, group: bool) -> TierWriter | None:
-        """The tier the launcher made for this command, if any (none in a group yet)."""
+    def from_environment(cls, journal: Path | None) -> TierWriter | None:
+        """The tier the launcher made for this command, if any."""
         path = os.environ.get(ENV_TIER)
-        if not path:
-            return None
-        if group:
-            logger.info("memory tier: not used by a group of processes yet; a crash resumes "
-                        "from the newest checkpoint")
-            return None
-        writer = cls(Path(path), journal)
+        return cls.opened(Path(path), journal) if path else None
+
+    @classmethod
+    def opened(cls, root: Path, journal: Path | None, name: str = "state.pt") -> TierWriter:
+        """The tier's store at ``root``, ready, or off (:attr:`off` says why)."""
+        writer = cls(root, journal, name)
         try:
             writer.store.open()
             writer.store.clean_temporaries()  # a slot torn by the last process's kill
         except (OSError, ProcckptError) as e:
-            writer._turn_off(f"cannot use {path} ({e})")
-            return None
+            writer.turn_off(f"cannot use {root} ({e})")
         return writer
 
     def at_safe_point(self, now: float, write: bool, meta: Callable[[], dict[str, Any]],
@@ -110,34 +112,51 @@ class TierWriter:
                       before: Callable[[], None]) -> None:
         """Count a safe point; with ``write`` (no checkpoint was taken here), write a slot
         when its turn came. ``before`` runs just before a slot is copied (the audit's note)."""
+        self.count(now, write)
+        if write and self.due() and not self.busy():
+            self.write_slot(meta, payload, before)
+
+    def count(self, now: float, eligible: bool) -> None:
+        """Measure the time since the last safe point (what the cadence is planned from);
+        ``eligible``: one that could hold a slot, counted towards the next."""
         last, self._last_point = self._last_point, now
         if last is not None:
             self._gaps.append(now - last)
-        if self.off is not None or not write:
-            return
-        self._since += 1
-        if self._since < self.every or not self._gaps:
-            return  # (not at the first safe point: no step time measured yet)
+        if eligible and self.off is None:
+            self._since += 1
+
+    def due(self) -> bool:
+        """Whether a slot's turn came (never at the first safe point: no step measured)."""
+        return self.off is None and self._since >= self.every and bool(self._gaps)
+
+    def busy(self) -> bool:
+        """Whether the previous slot is still being written."""
         thread = self._thread
-        if thread is not None and thread.is_alive():
-            return  # the previous slot is still being written
+        return thread is not None and thread.is_alive()
+
+    def write_slot(self, meta: Callable[[], dict[str, Any]],
+                   payload: Callable[[], dict[str, Any]], before: Callable[[], None]) -> None:
+        """Copy the state into the arena (the pause) and write it as a slot in the
+        background; first check the room for it, once."""
+        if self.off is not None:
+            return
         started = time.perf_counter()
         state = payload()
         if self.slots == 0 and not self._nbytes:
             self._nbytes = payload_bytes(state)
             room = tier_room(self.root, self._nbytes)
             if room is not None:
-                self._turn_off(room)
+                self.turn_off(room)
                 return
         before()
         allocations = self.arena.allocations
         try:
             snapshot = self.arena.capture(state)
         except NotSnapshottable as e:
-            self._turn_off(f"the state holds {e}, which cannot be copied into host memory")
+            self.turn_off(f"the state holds {e}, which cannot be copied into host memory")
             return
         except (MemoryError, RuntimeError) as e:  # (the tier must never end the training)
-            self._turn_off(f"the copy failed ({type(e).__name__}: {e})")
+            self.turn_off(f"the copy failed ({type(e).__name__}: {e})")
             return
         if self.arena.allocations == allocations:  # (a copy that first made its buffer is
             self._stalls.append(time.perf_counter() - started)  # no measure of the next)
@@ -160,7 +179,8 @@ class TierWriter:
             self._said_every = every
             why = (f"the copy takes {_ms(stall)}, {BUDGET:.0%} of a step of {_ms(step)} is "
                    f"{_ms(BUDGET * step)}")
-            if said is None:  # in the log once; the journal (procckpt status) follows it
+            # In the log once; the journal (procckpt status) follows it.
+            if said is None and self.says:
                 logger.info("memory tier: %s a slot in %s, written every %s (%s)",
                             format_size(self._nbytes), self.root, "step" if every == 1
                             else f"{every} steps", why)
@@ -175,16 +195,19 @@ class TierWriter:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             snapshot.wait_copied()  # (a GPU's copies land on their own stream)
-            write_checkpoint(self.store, meta, snapshot.payload)
+            write_checkpoint(self.store, meta, snapshot.payload, self.name)
             self.store.prune()
             self.slots += 1
         except Exception as e:  # noqa: BLE001 (no failure of the tier may reach the training)
-            self._turn_off(f"a slot could not be written ({type(e).__name__}: {e})")
+            self.turn_off(f"a slot could not be written ({type(e).__name__}: {e})")
 
-    def _turn_off(self, why: str) -> None:
+    def turn_off(self, why: str, say: bool = True) -> None:
+        """Off for the rest of this process; ``say``: the warning line (a group's ranks
+        turned off by another rank's say nothing)."""
         self.off = why
-        logger.warning("memory tier: off, %s; a crash resumes from the newest checkpoint "
-                       "(--no-memory-tier says so without this line)", why)
+        if say:
+            logger.warning("memory tier: off, %s; a crash resumes from the newest checkpoint "
+                           "(--no-memory-tier says so without this line)", why)
         if self.journal is not None:
             append_event(self.journal, "memory-tier", off=why, root=str(self.root))
         self.arena.release()
