@@ -37,11 +37,28 @@ os.environ.setdefault("PROCCKPT_WARM_RESTARTS", "0")
 
 
 QUICK = Path(__file__).parent / "quick.txt"
+#: The slowest tests' seconds in a full run (``--durations``): started first, longest first.
+DURATIONS = Path(__file__).parent / "durations.txt"
+
+
+def _known_seconds() -> dict[str, float]:
+    seconds = {}
+    for line in DURATIONS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            value, nodeid = line.split(maxsplit=1)
+            seconds[nodeid] = float(value)
+    return seconds
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark ``quick`` the tests tests/quick.txt names (``make test-quick``); under ``-m quick``
-    a line that names no collected test is an error, so the list cannot drift silently."""
+    a line that names no collected test is an error, so the list cannot drift silently.
+
+    Then put the tests tests/durations.txt names first, longest first, the rest in their
+    order. pytest-xdist hands out tests in this order (after its groups, largest first, which
+    keep theirs), so a test of minutes starts while there is work for the other workers, not
+    at the end.
+    Deterministic: every worker must collect the same order."""
     wanted = {line.strip() for line in QUICK.read_text().splitlines()
               if line.strip() and not line.startswith("#")}
     found = set()
@@ -52,6 +69,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if "quick" in (config.getoption("markexpr", "") or "") and wanted - found:
         raise pytest.UsageError(f"tests/quick.txt names tests that do not exist: "
                                 f"{sorted(wanted - found)}")
+    known = _known_seconds()
+    # (not within an xdist_group: its tests run on one worker in the order they were written)
+    rank = {id(item): 0.0 if item.get_closest_marker("xdist_group")
+            else -known.get(item.nodeid, 0.0) for item in items}
+    items.sort(key=lambda item: rank[id(item)])  # (stable: the rest keep their order)
 
 
 @pytest.hookimpl(tryfirst=True)
