@@ -1,18 +1,21 @@
-"""--engine auto|hooks|dmtcp: which engine runs a command, and the reason given.
+"""--engine auto|hooks|dmtcp|criu: which engine runs a command, and the reason given.
 
-The DMTCP installation and its test launch are seams here (``find``, ``probe``); the
-end-to-end tests in tests/e2e/test_dmtcp.py run the real one.
+The DMTCP installation and its test launch are seams here (``find``, ``probe``), and CRIU a
+shell script that says a version (``PROCCKPT_CRIU``); the end-to-end tests in
+tests/e2e/test_dmtcp.py and test_criu.py run the real ones.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
 
 from procckpt.errors import UsageError
 from procckpt.launcher.engines.choice import choose_engine, cuda_visible, imports_procckpt
+from procckpt.launcher.engines.criu import criu_problem
 from procckpt.launcher.engines.dmtcp import DmtcpTools
 from procckpt.store import CheckpointStore
 
@@ -216,3 +219,50 @@ def test_one_crashed_test_launch_is_tried_again_and_two_keep_auto_on_hooks(tmp_p
     assert probe_dmtcp(fake_launch(twice, crashes=2)) == \
         "a test launch under dmtcp_launch failed (exit 1: died with <Signals.SIGSEGV: 11>.)"
     assert (twice / "launches").read_text().strip() == "2"
+
+
+def _fake_criu(tmp_path: Path, version: str) -> Path:
+    binary = tmp_path / "criu"
+    binary.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'Version: {version}'\n"
+                      "[ \"$1\" = check ] && echo 'Looks good.'\nexit 0\n")
+    binary.chmod(0o755)
+    return binary
+
+
+def test_engine_criu_refuses_in_one_line_what_cannot_image_here(tmp_path, store, monkeypatch):
+    monkeypatch.setenv("PROCCKPT_CRIU", str(tmp_path / "none"))
+    with pytest.raises(UsageError, match=r"needs CRIU, but .*/none is not an executable"):
+        choose(store, ["python", "x.py"], tmp_path, requested="criu")
+    monkeypatch.setenv("PROCCKPT_CRIU", str(_fake_criu(tmp_path, "3.17")))
+    with pytest.raises(UsageError, match=r"is CRIU 3\.17, which cannot image processes on "
+                                         r"kernels from 6\.13"):
+        choose(store, ["python", "x.py"], tmp_path, requested="criu")
+    tools, problem = criu_problem(str(_fake_criu(tmp_path, "4.2")), euid=1000)
+    assert tools is None and problem is not None and problem.startswith(
+        "--engine criu needs root here")
+    tools, problem = criu_problem(str(_fake_criu(tmp_path, "4.2")), euid=0)
+    assert problem is None and tools is not None and tools.version == (4, 2)
+
+
+def test_a_dir_of_criu_images_keeps_criu_and_refuses_hooks(tmp_path, store, monkeypatch):
+    monkeypatch.setenv("PROCCKPT_CRIU", str(_fake_criu(tmp_path, "4.2")))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    commit(store, "criu")
+    choice = choose(store, ["python", "x.py"], tmp_path)
+    assert choice.name == "criu" and choice.reason == "the checkpoint dir holds CRIU images"
+    with pytest.raises(UsageError, match="holds CRIU images, which the hooks engine cannot "
+                                         "resume: run with --engine criu"):
+        choose(store, ["python", "x.py"], tmp_path, requested="hooks")
+
+
+def test_the_stdout_and_stderr_of_an_image_are_handed_over_once_each():
+    from procckpt.launcher.engines.criu.engine import _handed_over
+    from procckpt.store import CheckpointInfo
+
+    def image(fds: dict[str, str]) -> CheckpointInfo:
+        return CheckpointInfo(Path("/x/ckpt-00000001"), 1, {"criu": {"fds": fds}})
+
+    assert _handed_over(image({"1": "run/log", "2": "run/log"})) == {1: "run/log"}
+    assert _handed_over(image({"1": "pipe:[7]", "2": "run/err"})) == {1: "pipe:[7]",
+                                                                     2: "run/err"}
+    assert _handed_over(image({})) == {}

@@ -28,7 +28,7 @@ __all__ = ["RunConfig", "Option", "OPTIONS", "load_config", "config_from", "chec
            "CONFIG_FILE", "ENGINES"]
 
 CONFIG_FILE = "procckpt.yaml"
-ENGINES = ("auto", "hooks", "dmtcp")
+ENGINES = ("auto", "hooks", "dmtcp", "criu")
 DEFAULT_GRACE = 60.0
 #: The expected time between failures that --interval auto plans for (Young/Daly).
 DEFAULT_MTBF = 24 * 3600.0
@@ -365,6 +365,6 @@ def _validate(config: RunConfig) -> None:
     if config.node_rank >= config.nodes:
         raise UsageError(f"node-rank {config.node_rank} is not below nodes {config.nodes}: "
                          "number the nodes 0 to nodes-1, and give --nodes on every one")
-    if config.nodes > 1 and config.engine == "dmtcp":
+    if config.nodes > 1 and config.engine in ("dmtcp", "criu"):
         raise UsageError("--nodes needs the hooks engine (procckpt.Checkpointer in the "
-                         "script): a DMTCP image holds one node's processes")
+                         f"script): a {config.engine.upper()} image holds one node's processes")

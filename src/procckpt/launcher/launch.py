@@ -94,10 +94,15 @@ def _engine_for(config: RunConfig, store: CheckpointStore) -> Engine:
     if choice.warning is not None:
         logger.warning("%s", choice.warning)
     if choice.name == "dmtcp":
-        from .engines.dmtcp import DmtcpEngine
+        from .engines.dmtcp import DmtcpEngine, DmtcpTools
 
-        assert choice.tools is not None
+        assert isinstance(choice.tools, DmtcpTools)
         return DmtcpEngine(store, choice.tools)
+    if choice.name == "criu":
+        from .engines.criu import CriuEngine, CriuTools
+
+        assert isinstance(choice.tools, CriuTools)
+        return CriuEngine(store, choice.tools)
     return HooksEngine(store)
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 from ...store import CheckpointStore
+from .criu import CriuTools, criu_problem, find_criu
 from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
 from .dmtcp.engine import fork_safe_env
 
@@ -57,9 +58,9 @@ _SHELL_SEPARATORS = frozenset({";", "&&", "||", "|", "&", "(", ")", "{", "}", "!
 
 @dataclass(frozen=True)
 class EngineChoice:
-    name: str  # "hooks" or "dmtcp"
+    name: str  # "hooks", "dmtcp" or "criu"
     reason: str
-    tools: DmtcpTools | None = None
+    tools: DmtcpTools | CriuTools | None = None
     #: Said at the start when the command, as far as can be seen, cannot be checkpointed.
     warning: str | None = None
 
@@ -79,10 +80,13 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
     probe = probe or probe_dmtcp
     written_by = _newest_engine(store)
     if requested == "hooks":
-        if written_by == "dmtcp":
-            raise UsageError(f"{store.root} holds DMTCP images, which the hooks engine cannot "
-                             "resume: run with --engine dmtcp, or use a new --dir")
+        if written_by in ("dmtcp", "criu"):
+            raise UsageError(f"{store.root} holds {written_by.upper()} images, which the hooks "
+                             f"engine cannot resume: run with --engine {written_by}, or use a "
+                             "new --dir")
         return EngineChoice("hooks", "--engine hooks")
+    if requested == "criu" or (requested == "auto" and written_by == "criu"):
+        return _criu_choice(requested, written_by, store)
     if requested == "dmtcp":
         tools = find()
         if tools is None:
@@ -123,6 +127,20 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
                         tools)
 
 
+def _criu_choice(requested: str, written_by: str | None, store: CheckpointStore) -> EngineChoice:
+    """``--engine criu``, or ``auto`` on a dir of CRIU images: CRIU, or one line why not."""
+    if written_by not in (None, "criu"):
+        raise UsageError(f"{store.root} holds {written_by} checkpoints, which the CRIU engine "
+                         f"cannot resume: run with --engine {written_by}, or use a new --dir")
+    tools, problem = criu_problem(find_criu())
+    if problem is not None:
+        raise UsageError(problem if requested == "criu" else
+                         f"the checkpoints in {store.root} are CRIU images, but {problem}")
+    assert tools is not None
+    return EngineChoice("criu", "--engine criu" if requested == "criu" else
+                        "the checkpoint dir holds CRIU images", tools)
+
+
 def _unsaveable(read: list[str], why: str) -> str | None:
     """The warning for a command whose script was read and does not use procckpt."""
     if not read:
@@ -137,7 +155,7 @@ def _newest_engine(store: CheckpointStore) -> str | None:
     if not infos:
         return None
     engine = infos[0].manifest.get("engine")
-    return str(engine) if engine in ("hooks", "dmtcp") else None
+    return str(engine) if engine in ("hooks", "dmtcp", "criu") else None
 
 
 def imports_procckpt(command: list[str], cwd: Path, read: list[str] | None = None,

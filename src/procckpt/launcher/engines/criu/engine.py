@@ -1,0 +1,354 @@
+"""The CRIU engine: images of the whole process tree of an unmodified command (DataLoader
+workers included), taken by CRIU and restored in place by the next cycle.
+
+    cycle 1      the command, behind the keeper as usual
+    a request    criu dump -t ROOT --shell-job [--leave-running] -D ckpt-N/  (a thread)
+    cycle n      python restore.py: criu restore --restore-detached --restore-sibling
+                 --shell-job -D ckpt-N/ --inherit-fd fd[1]:<its stdout then> ...
+
+ROOT is the command (the keeper's child); a restored tree keeps its pids, so it is the same
+pid in every cycle. A periodic image (``--leave-running``) pauses the tree while it is
+written; a stop's image ends it (CRIU kills the tree once the image is complete). The images
+are written straight into a pending checkpoint of the store and committed like every
+checkpoint (sizes and CRC-32 in the manifest, one rename), so a dump cut short is never
+restored, and an image that does not restore gives way to the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ....errors import UsageError
+from ....protocol.events import append_event
+from ....store import CheckpointInfo, CheckpointStore
+from .. import Confirmation, Engine
+from .tools import CriuError, CriuTools
+
+__all__ = ["CriuEngine", "RESTORE_SCRIPT"]
+
+logger = logging.getLogger(__name__)
+
+RESTORE_SCRIPT = str(Path(__file__).with_name("restore.py"))
+#: How long one dump may take: a base and a rate (the slowest disks seen write 20 MB/s).
+DUMP_BASE_S = 120.0
+DUMP_BYTES_PER_S = 20e6
+#: The fds of the command handed over at a restore (its stdout and stderr).
+_HANDED_OVER = (1, 2)
+
+
+@dataclass
+class _Job:
+    seq: int
+    reason: str
+    stop: bool
+    thread: threading.Thread | None = None
+    answered: bool = False
+    dumped: bool = False  # criu dump finished (for a stop: the tree is gone)
+
+
+@dataclass
+class _Cycle:
+    token: str
+    restored_from: CheckpointInfo | None
+    keeper: int | None = None
+    over: threading.Event = field(default_factory=threading.Event)
+
+
+class CriuEngine(Engine):
+    """Snapshots by CRIU; see the module docstring."""
+
+    name = "criu"
+
+    def __init__(self, store: CheckpointStore, tools: CriuTools) -> None:
+        self.store = store
+        self.tools = tools
+        self.work = store.root / "criu"
+        self._command: list[str] = []
+        self._cycle: _Cycle | None = None
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._job: _Job | None = None
+        self._confirmed: Confirmation | None = None
+        self._failed_images: set[str] = set()
+
+    # -- the Engine interface -------------------------------------------------------------
+    def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
+        self._command = list(argv)
+        self._confirmed = None
+        self._job = None
+        self.work.mkdir(exist_ok=True)
+        (self.work / "root.pid").unlink(missing_ok=True)
+        image = self._newest_image()
+        self._cycle = _Cycle(token, image)
+        if image is None:
+            logger.info("criu: running the command; CRIU %s images its whole process tree",
+                        self.tools.version_text)
+            return list(argv), {}
+        taken_from = image.manifest.get("command")
+        if taken_from and taken_from != list(argv):
+            logger.warning("criu: %s is an image of `%s`; it is restored as it is (the command "
+                           "given now, `%s`, is not run). Use a new --dir to start the new "
+                           "command", image.name, " ".join(taken_from), " ".join(argv))
+        logger.info("criu: restoring %s (%.1f MB, taken %s)", image.name, image.nbytes / 1e6,
+                    time.strftime("%H:%M:%S", time.localtime(image.created)))
+        append_event(self.store.events_path, "resume", checkpoint=image.name, engine=self.name,
+                     bytes=image.nbytes)
+        _make_socket_dirs(image)
+        inherit = []
+        for fd, resource in _handed_over(image).items():
+            inherit.append(f"fd[{fd}]:{resource}")
+        return [sys.executable, "-I", "-S", RESTORE_SCRIPT, self.tools.criu, str(image.path),
+                str(self.work), *inherit], {}
+
+    def child_started(self, pid: int) -> None:
+        if self._cycle is not None:
+            self._cycle.keeper = pid
+
+    def connected(self) -> bool:
+        return self._root() is not None
+
+    def request(self, action: str, reason: str) -> int:
+        stop = action == "stop"
+        with self._lock:
+            self._seq += 1
+            job = self._job
+            if job is not None and not job.answered and (job.stop or not stop):
+                return job.seq  # one image at a time; a stop waits for nothing else
+            if job is not None and not job.answered:
+                assert job.thread is not None
+                job.thread.join()  # (a running image first: the stop's follows it)
+            job = _Job(self._seq, reason, stop)
+            job.thread = threading.Thread(target=self._serve, args=(job,),
+                                          name="procckpt-criu-dump", daemon=True)
+            self._job = job
+        job.thread.start()
+        return job.seq
+
+    def confirmation(self, seq: int) -> Confirmation | None:
+        with self._lock:
+            c = self._confirmed
+        if c is None or not (c.seq >= seq or c.stopping):
+            return None
+        return c
+
+    def end_cycle(self) -> Confirmation | None:
+        cycle = self._cycle
+        if cycle is None:
+            return None
+        cycle.over.set()
+        job = self._job
+        if job is not None and job.thread is not None:
+            job.thread.join(timeout=DUMP_BASE_S)
+        with self._lock:
+            c = self._confirmed
+        return c if c is not None and c.stopping and c.checkpoint is not None else None
+
+    def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
+        """A command that exited 0 by itself finished (the run is marked complete); a restore
+        that never brought the tree back gives way to the previous image."""
+        cycle = self._cycle
+        if cycle is None:
+            return None
+        job = self._job
+        stopped = job is not None and job.stop and job.dumped
+        if exit_code == 0 and not signalled and not stopped:
+            self.store.mark_complete(token=cycle.token, engine=self.name)
+            return None
+        image = cycle.restored_from
+        if image is None or (self.work / "root.pid").exists():
+            return None  # the command's own exit: the supervisor's rules apply
+        self._failed_images.add(image.name)
+        append_event(self.store.events_path, "restore-failed", checkpoint=image.name,
+                     exit_code=exit_code, problem="criu restore failed")
+        older = self._newest_image(quiet=True)
+        if older is None:
+            logger.error("criu: restoring %s failed and no older image is left; the images "
+                         "stay in %s (see %s/restore.log)", image.name, self.store.ckpt_root,
+                         self.work)
+            return None
+        return f"restoring {image.name} failed; falling back to the previous image, {older.name}"
+
+    # -- images ---------------------------------------------------------------------------
+    def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
+        """The newest intact image that has not failed to restore."""
+        for info in self.store.intact_setting_aside_damaged():
+            if info.manifest.get("engine") != self.name:
+                raise UsageError(
+                    f"the newest checkpoint in {self.store.root} ({info.name}) was written by "
+                    f"the {info.manifest.get('engine')} engine, not by CRIU: run with --engine "
+                    f"{info.manifest.get('engine')}, or use a new --dir")
+            if info.name in self._failed_images:
+                continue
+            return info
+        if self._failed_images and not quiet:
+            raise CriuError(f"every CRIU image in {self.store.ckpt_root} failed to restore "
+                            f"({', '.join(sorted(self._failed_images))}); refusing to start "
+                            "from scratch: move the directory away to train anew")
+        return None
+
+    def _root(self) -> int | None:
+        """The root of the command's tree: the keeper's child, or the restored root."""
+        cycle = self._cycle
+        if cycle is None or cycle.keeper is None or cycle.over.is_set():
+            return None
+        if cycle.restored_from is not None:
+            try:
+                root = int((self.work / "root.pid").read_text())
+            except (OSError, ValueError):
+                return None
+            return root if psutil.pid_exists(root) else None
+        try:
+            children = psutil.Process(cycle.keeper).children()
+        except psutil.Error:
+            return None
+        return children[0].pid if children else None
+
+    # -- checkpoints ----------------------------------------------------------------------
+    def _serve(self, job: _Job) -> None:
+        c = self._dump(job)
+        with self._lock:
+            self._confirmed = c
+            job.answered = True
+        if c.checkpoint is not None:
+            try:
+                self.store.prune()
+            except OSError as e:
+                logger.warning("criu: could not delete old images: %s", e)
+
+    def _dump(self, job: _Job) -> Confirmation:
+        """Take and commit one image; its confirmation (with the error if it failed)."""
+        root = self._root()
+        if root is None:
+            return Confirmation(None, None, job.stop, job.seq, "the command is not running")
+        started = time.monotonic()
+        cycle = self._cycle
+        meta: dict[str, Any] = {
+            "engine": self.name, "reason": job.reason, "command": self._command,
+            "restored_from": cycle.restored_from.name if cycle and cycle.restored_from
+            else None, "job_id": os.environ.get("SLURM_JOB_ID"),
+            "criu": {"version": self.tools.version_text, "root": root,
+                     "fds": _open_resources(root), "socket_dirs": _socket_dirs(_tree(root))},
+        }
+        try:
+            with self.store.begin(meta) as pending:
+                nbytes = sum(p.memory_info().rss for p in _tree(root))
+                argv = [self.tools.criu, "dump", "-t", str(root), "--shell-job", "-D",
+                        str(pending.path), "-W", str(self.work), "-o", "dump.log"]
+                if not job.stop:
+                    argv.append("--leave-running")
+                done = subprocess.run(argv, capture_output=True, text=True,
+                                      timeout=DUMP_BASE_S + nbytes / DUMP_BYTES_PER_S)
+                job.dumped = done.returncode == 0
+                if done.returncode != 0:
+                    raise CriuError(f"criu dump failed ({_last_error(self.work / 'dump.log')})")
+                dumped = time.monotonic() - started
+                for name in sorted(os.listdir(pending.path)):
+                    if stat.S_ISREG(os.lstat(pending.path / name).st_mode):
+                        pending.add_file(name)
+                info = pending.commit()
+        except Exception as e:  # a failed image must not kill the supervisor
+            logger.error("criu: image failed: %s", e)
+            return Confirmation(None, None, job.stop, job.seq, str(e))
+        seconds = time.monotonic() - started
+        logger.info("criu: checkpoint %s: %.1f MB written in %.2fs (the tree paused), "
+                    "committed in %.2fs (%s)", info.name, info.nbytes / 1e6, dumped,
+                    seconds - dumped, job.reason)
+        append_event(self.store.events_path, "checkpoint", checkpoint=info.name,
+                     bytes=info.nbytes, seconds=round(seconds, 3), write_seconds=round(dumped, 3),
+                     pause=round(dumped, 3), reason=job.reason, engine=self.name)
+        return Confirmation(info.name, None, job.stop, job.seq, number=info.seq)
+
+
+def _tree(root: int) -> list[psutil.Process]:
+    try:
+        top = psutil.Process(root)
+        return [top, *top.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _open_resources(root: int) -> dict[str, str]:
+    """What the root's stdout and stderr are, as CRIU names them for ``--inherit-fd``: a
+    file's path without its leading slash, ``pipe:[inode]``; others are left to CRIU."""
+    found = {}
+    for fd in _HANDED_OVER:
+        try:
+            target = os.readlink(f"/proc/{root}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("pipe:["):
+            found[str(fd)] = target
+        elif target.startswith("/") and not target.startswith("/dev/"):
+            try:
+                if stat.S_ISREG(os.stat(target).st_mode):
+                    found[str(fd)] = target.lstrip("/")
+            except OSError:
+                continue
+    return found
+
+
+def _socket_dirs(tree: list[psutil.Process]) -> list[str]:
+    """The folders of the unix sockets the tree has bound to a path. CRIU binds them again
+    at a restore, in a folder that must exist: Python's multiprocessing (DataLoader workers
+    passing tensors) binds its listeners in ``/tmp/pymp-*``, which the end of an earlier
+    run, a job's cleanup of /tmp or another node does not have."""
+    inodes = set()
+    for proc in tree:
+        try:
+            for fd in os.listdir(f"/proc/{proc.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+        except OSError:
+            continue
+    folders: set[str] = set()
+    try:
+        with open("/proc/net/unix") as f:
+            next(f, None)
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith("/"):
+                    folders.add(os.path.dirname(fields[7]))
+    except OSError:
+        pass
+    return sorted(folders)
+
+
+def _make_socket_dirs(image: CheckpointInfo) -> None:
+    for folder in image.manifest.get("criu", {}).get("socket_dirs") or []:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+        except OSError as e:
+            logger.warning("criu: cannot make %s, where the image binds a socket (%s); the "
+                           "restore may fail", folder, e.strerror or e)
+
+
+def _handed_over(image: CheckpointInfo) -> dict[int, str]:
+    """fd -> resource for the restore: each resource once (stderr to stdout's file: one)."""
+    seen: dict[str, int] = {}
+    for fd, resource in (image.manifest.get("criu", {}).get("fds") or {}).items():
+        seen.setdefault(resource, int(fd))
+    return {fd: resource for resource, fd in seen.items()}
+
+
+def _last_error(log: Path) -> str:
+    try:
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()
+                 if "Error" in line and "RLIMIT_NOFILE" not in line
+                 and "FAILED" not in line]
+    except OSError:
+        return f"no log at {log}"
+    return lines[0] if lines else f"see {log}"

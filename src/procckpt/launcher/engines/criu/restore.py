@@ -1,0 +1,89 @@
+"""A CRIU image restored as a cycle's command: ``python -I -S restore.py CRIU IMAGES WORK
+[fd[N]:RESOURCE ...]``, started behind the keeper like any command.
+
+``criu restore`` on its own waits for the tree it restored but exits 0 whatever became of it,
+so the launcher would take a crash for a finished run. So this process makes itself a child
+subreaper and restores detached, the tree's root as its own child (``--restore-sibling``),
+in its own session and process group (``--shell-job``: those of this process, the keeper's,
+so that the launcher's signals to the group reach the tree as they reached the original).
+Then it waits for the root and exits as the root did: the same code, or the same signal.
+
+Each ``fd[N]:RESOURCE`` hands this process's fd N to the restored processes in place of the
+file or pipe they had open as RESOURCE (their stdout and stderr: a log that grew since the
+image would otherwise fail the restore, and a pipe from an earlier launcher is gone).
+
+Stdlib only: it must start in milliseconds and never import torch. If the restore fails, it
+says so in one line and exits with 75 before the root's pid file exists: the launcher then
+falls back to the previous image.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+
+_PR_SET_CHILD_SUBREAPER = 36
+#: Exit code when CRIU could not restore the image (EX_TEMPFAIL).
+RESTORE_FAILED = 75
+#: Signals the launcher sends to the process group: they reach the restored tree directly.
+_THE_TREES = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT", "SIGALRM",
+              "SIGPIPE", "SIGXCPU")
+
+
+def _last_error(log: str) -> str:
+    try:
+        with open(log, errors="replace") as f:
+            lines = [line.strip() for line in f if "Error" in line and "RLIMIT_NOFILE" not in line
+                 and "FAILED" not in line]
+    except OSError:
+        return "no log"
+    return lines[0] if lines else "no error logged"
+
+
+def main(argv: list[str]) -> int:
+    criu, images, work, *inherit = argv
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    for name in _THE_TREES:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+    pidfile = os.path.join(work, "root.pid")
+    log = "restore.log"
+    args = [criu, "restore", "--restore-detached", "--restore-sibling", "--shell-job",
+            "-D", images, "-W", work, "-o", log, "--pidfile", pidfile]
+    fds = []
+    for spec in inherit:
+        args += ["--inherit-fd", spec]
+        fds.append(int(spec[3:spec.index("]")]))
+    done = subprocess.run(args, pass_fds=fds, preexec_fn=_default_signals)
+    if done.returncode != 0 or not os.path.exists(pidfile):
+        print(f"procckpt: criu restore of {images} failed ({_last_error(os.path.join(work, log))})",
+              file=sys.stderr, flush=True)
+        return RESTORE_FAILED
+    with open(pidfile) as f:
+        root = int(f.read())
+    while True:
+        try:
+            pid, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 0
+        except InterruptedError:
+            continue
+        if pid != root:
+            continue  # an orphan of the tree, reaped
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            if sig != signal.SIGKILL:
+                signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
+
+
+def _default_signals() -> None:
+    for name in _THE_TREES:  # (criu and what it restores start with the usual dispositions)
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,98 @@
+"""Finding CRIU and checking, before any training, that it can image a process here.
+
+Each problem is one line that says what to do: no ``criu`` on PATH, a CRIU too old for this
+kernel (Debian 12's 3.17 fails ``criu check`` on kernels from 6.13: "vdso: Unexpected rt vDSO
+area bounds"), one whose ``criu check`` fails for another reason, or a launcher that is not
+root (CRIU's ``--unprivileged`` mode, with file capabilities, is not used yet).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ....errors import ProcckptError
+
+__all__ = ["CriuError", "CriuTools", "find_criu", "criu_problem", "MIN_VERSION", "ENV_CRIU"]
+
+#: The criu binary to use, where it is not the one on PATH.
+ENV_CRIU = "PROCCKPT_CRIU"
+
+#: The first CRIU that knows the ``[vvar_vclock]`` mapping of kernels from 6.13.
+MIN_VERSION = (4, 1)
+#: Where ../shared/tools/build-criu.sh (and many sites) install it, when it is not on PATH.
+_ALSO = ("/opt/criu/sbin", "/usr/local/sbin", "/usr/sbin")
+_BUILD = ("build CRIU 4.1 or newer from https://github.com/checkpoint-restore/criu (make criu; "
+          "install criu/criu into PATH)")
+
+
+class CriuError(ProcckptError):
+    """CRIU could not be used or driven."""
+
+
+@dataclass(frozen=True)
+class CriuTools:
+    """One CRIU binary and its version."""
+
+    criu: str
+    version: tuple[int, ...]
+
+    @property
+    def version_text(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+def find_criu(path: str | None = None) -> str | None:
+    """The ``criu`` binary: ``$PROCCKPT_CRIU`` if set, else on ``path`` (default $PATH, then
+    the usual sbin folders)."""
+    named = os.environ.get(ENV_CRIU)
+    if named:
+        return named if os.access(named, os.X_OK) else None
+    found = shutil.which("criu", path=path)
+    if found is not None or path is not None:
+        return found
+    for folder in _ALSO:
+        candidate = Path(folder) / "criu"
+        if os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def criu_problem(binary: str | None, *, euid: int | None = None,
+                 timeout: float = 60.0) -> tuple[CriuTools | None, str | None]:
+    """The tools, or why ``--engine criu`` cannot run here (one line, what to do)."""
+    if binary is None:
+        where = os.environ.get(ENV_CRIU)
+        return None, (f"--engine criu needs CRIU, but {where if where else 'criu'} is "
+                      f"{'not an executable' if where else 'not on PATH'}: {_BUILD}")
+    try:
+        out = subprocess.run([binary, "--version"], capture_output=True, text=True,
+                             timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{binary} --version failed ({e}): {_BUILD}"
+    found = re.search(r"Version:\s*(\d+(?:\.\d+)+)", out.stdout)
+    if found is None:
+        return None, f"{binary} --version says no version: {_BUILD}"
+    version = tuple(int(x) for x in found.group(1).split("."))
+    if version < MIN_VERSION:
+        return None, (f"{binary} is CRIU {found.group(1)}, which cannot image processes on "
+                      f"kernels from 6.13 (this one: {os.uname().release}): {_BUILD}")
+    if (os.geteuid() if euid is None else euid) != 0:
+        return None, ("--engine criu needs root here (CRIU's --unprivileged mode with file "
+                      "capabilities is not used by procckpt yet): run as root, or use "
+                      "--engine hooks")
+    try:
+        check = subprocess.run([binary, "check"], capture_output=True, text=True,
+                               timeout=timeout)
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"`{binary} check` failed ({e})"
+    if check.returncode != 0:
+        said = [line for line in (check.stdout + check.stderr).splitlines()
+                if "Error" in line] or (check.stdout + check.stderr).splitlines()[-1:]
+        return None, (f"`{binary} check` fails on this machine ({said[0].strip() if said else ''}"
+                      f"): CRIU {found.group(1)} cannot image processes here; use --engine hooks")
+    return CriuTools(binary, version), None

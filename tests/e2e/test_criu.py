@@ -1,0 +1,173 @@
+"""The CRIU engine, end to end with real CRIU (4.1 or newer; CI builds 4.2 with the shared
+script), real processes and real signals.
+
+A script that knows nothing of procckpt and reads its data through ``DataLoader(num_workers=2)``
+is imaged as a whole tree (the workers included): stopped by ``--time-limit`` and restored by
+the next cycle, each step trained once; imaged periodically and SIGKILLed, then restored from
+its newest image; restored by a fresh launcher after the first one was killed. Each ends
+bit-identical to an uninterrupted run. Without a usable CRIU they skip with the reason; the
+one-line refusals of ``--engine criu`` run everywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from procckpt.launcher.engines.criu import criu_problem, find_criu
+from procckpt.store import CheckpointStore
+
+from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness.processes import events
+
+LOOP = [PYTHON, str(PROGRAMS / "worker_loop.py")]
+_TOOLS, _PROBLEM = criu_problem(find_criu())
+
+
+def needs_criu(test: Callable[..., None]) -> Callable[..., None]:
+    return pytest.mark.skipif(_TOOLS is None, reason=f"no usable CRIU here: {_PROBLEM}")(test)
+
+
+def reference(workdir: Path) -> Path:
+    out = workdir / "reference.pt"
+    done = run([*LOOP, "--step-sleep", "0", "--out", str(out)], cwd=workdir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def assert_same(a: Path, b: Path) -> None:
+    ra, rb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    for key, value in ra["model"].items():
+        assert torch.equal(value, rb["model"][key]), key
+    for p, state in ra["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, rb["optimizer"]["state"][p][key]), (p, key)
+    assert torch.equal(ra["draw"], rb["draw"])
+
+
+def steps(text: str) -> list[int]:
+    return [int(line.split()[1]) for line in text.splitlines() if line.startswith("step ")]
+
+
+@needs_criu
+def test_deadline_cycles_restore_the_whole_tree_each_step_once(workdir: Path):
+    """96 steps of 0.25 s against 15-s cycles: at least one stop's image, restored with its
+    two workers; the steps printed go 1..96 once each, the result bit-identical."""
+    expected = reference(workdir)
+    out, ckpt = workdir / "out.pt", workdir / "ckpt"
+    done = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu",
+                "--time-limit", "15s", "--grace", "5s", "--",
+                *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert steps(done.stdout) == list(range(1, 97)), done.stdout[-2000:]
+    resumes = events(ckpt, "resume")
+    assert resumes and all(e["engine"] == "criu" for e in resumes), done.stderr[-3000:]
+    images = events(ckpt, "checkpoint")
+    assert images and all(e["reason"] == "deadline" for e in images)
+    assert "criu: restoring ckpt-" in done.stderr
+    assert_same(expected, out)
+
+
+def _start(workdir: Path, ckpt: Path, out: Path, log: Path, *options: str,
+           ) -> subprocess.Popen[str]:
+    return subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu",
+                             *options, "--", *LOOP, "--step-sleep", "0.25", "--out", str(out)],
+                            cwd=workdir, text=True, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def _wait_for_image(proc: subprocess.Popen[str], ckpt: Path, log: Path) -> None:
+    deadline = time.monotonic() + 240
+    while not events(ckpt, "checkpoint"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.1)
+
+
+def _command(ckpt: Path) -> psutil.Process:
+    keeper = psutil.Process(events(ckpt, "cycle")[-1]["pid"])
+    return keeper.children()[0]
+
+
+@needs_criu
+def test_a_killed_training_restores_from_its_periodic_image(workdir: Path):
+    """Images every 4 s while the tree runs on; the training SIGKILLed after the first, as
+    the OOM killer would: under --restart-on-failure the next cycle restores the newest
+    image, and the run ends bit-identical."""
+    expected = reference(workdir)
+    out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
+    proc = _start(workdir, ckpt, out, log, "--interval", "4s", "--restart-on-failure")
+    try:
+        _wait_for_image(proc, ckpt, log)
+        time.sleep(1)
+        _command(ckpt).kill()
+        proc.wait(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert events(ckpt, "resume"), text[-3000:]
+    seen = steps(text)
+    assert seen[-1] == 96 and sorted(set(seen)) == list(range(1, 97)), text[-2000:]
+    assert_same(expected, out)
+
+
+@needs_criu
+def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
+    """The launcher and its whole tree SIGKILLed after a periodic image, and the folders of
+    its workers' sockets in /tmp cleaned away (as a job's end or another node would): a new
+    `procckpt run` on the same dir restores it, and the run ends bit-identical."""
+    expected = reference(workdir)
+    out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
+    proc = _start(workdir, ckpt, out, log, "--interval", "4s")
+    try:
+        _wait_for_image(proc, ckpt, log)
+        tree = [_command(ckpt), *_command(ckpt).children(recursive=True)]
+        proc.kill()
+        for p in tree:
+            p.kill()
+        proc.wait(timeout=60)
+        psutil.wait_procs(tree, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    newest = CheckpointStore(ckpt).checkpoints()[0]
+    folders = newest.manifest["criu"]["socket_dirs"]
+    assert folders, newest.manifest  # (the workers' multiprocessing listeners)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
+                 *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir, timeout=400)
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert "criu: restoring ckpt-" in again.stderr, again.stderr[-3000:]
+    assert steps(again.stdout)[-1] == 96
+    assert_same(expected, out)
+
+
+@pytest.mark.parametrize("criu,says", [
+    ("missing", "is not an executable"),
+    ("3.17", "is CRIU 3.17, which cannot image processes on kernels from 6.13"),
+])
+def test_engine_criu_without_a_usable_criu_is_one_line_before_training(workdir: Path,
+                                                                      criu: str, says: str):
+    """No CRIU, or Debian 12's 3.17 (a stand-in that says its version, as it does): one line,
+    exit 2, and the command never started."""
+    binary = workdir / "criu"
+    if criu != "missing":
+        binary.write_text(f"#!/bin/sh\necho 'Version: {criu}'\n")
+        binary.chmod(0o755)
+    marker = workdir / "started"
+    done = run([*procckpt_argv(), "run", "--dir", str(workdir / "ckpt"), "--engine", "criu",
+                "--", "touch", str(marker)], cwd=workdir, env={"PROCCKPT_CRIU": str(binary)})
+    assert done.returncode == 2, done.stderr
+    lines = [x for x in done.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert not marker.exists()
