@@ -36,9 +36,9 @@ def needs_criu(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.skipif(_TOOLS is None, reason=f"no usable CRIU here: {_PROBLEM}")(test)
 
 
-def reference(workdir: Path) -> Path:
+def reference(workdir: Path, args: list[str] | None = None) -> Path:
     out = workdir / "reference.pt"
-    done = run([*LOOP, "--step-sleep", "0", "--out", str(out)], cwd=workdir)
+    done = run([*LOOP, *(args or []), "--step-sleep", "0", "--out", str(out)], cwd=workdir)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 
