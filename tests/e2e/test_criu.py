@@ -123,8 +123,9 @@ def test_a_killed_training_restores_from_its_periodic_image(workdir: Path):
 @needs_criu
 def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
     """The launcher and its whole tree SIGKILLed after a periodic image, and the folders of
-    its workers' sockets in /tmp cleaned away (as a job's end or another node would): a new
-    `procckpt run` on the same dir restores it, and the run ends bit-identical."""
+    its workers' sockets in /tmp cleaned away (as a job's end or another node would). While
+    another process holds the image's root pid, a new `procckpt run` says so in one line and
+    exits; once the pid is free, it restores the image, and the run ends bit-identical."""
     expected = reference(workdir)
     out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
     proc = _start(workdir, ckpt, out, log, "--interval", "4s")
@@ -144,12 +145,38 @@ def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
     assert folders, newest.manifest  # (the workers' multiprocessing listeners)
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
+    holder = _holding(newest.manifest["criu"]["root"])
+    try:
+        refused = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
+                       *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir,
+                      timeout=120, env={"PROCCKPT_CRIU_PID_WAIT": "1"})
+    finally:
+        holder.kill()
+        holder.wait()
+    said = [x for x in refused.stderr.splitlines() if "cannot restore" in x]
+    assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
+    assert f"pid {holder.pid} is taken by `sleep 600`" in said[0], said
+    assert not steps(refused.stdout)  # nothing trained
     again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
                  *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir, timeout=400)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "criu: restoring ckpt-" in again.stderr, again.stderr[-3000:]
     assert steps(again.stdout)[-1] == 96
     assert_same(expected, out)
+
+
+def _holding(pid: int) -> subprocess.Popen[bytes]:
+    """A `sleep` that holds ``pid`` (root: the kernel's next pid set just below it)."""
+    for _ in range(100):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        holder = subprocess.Popen(["sleep", "600"])
+        if holder.pid == pid:
+            return holder
+        holder.kill()
+        holder.wait()
+        time.sleep(0.05)
+    pytest.fail(f"could not make a process with pid {pid}")
 
 
 @pytest.mark.parametrize("criu,says", [

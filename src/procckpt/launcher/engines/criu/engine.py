@@ -96,6 +96,13 @@ class CriuEngine(Engine):
             logger.info("criu: running the command; CRIU %s images its whole process tree",
                         self.tools.version_text)
             return list(argv), {}
+        taken = _pids_taken(image)
+        if taken is not None:
+            raise CriuError(f"cannot restore {image.name} here: {taken}, and a restored process "
+                            "keeps its pid; run where the image's pids are free (the node it "
+                            "was taken on, once the old processes are gone), or use a new --dir "
+                            "to start over")
+        _make_socket_dirs(image)
         taken_from = image.manifest.get("command")
         if taken_from and taken_from != list(argv):
             logger.warning("criu: %s is an image of `%s`; it is restored as it is (the command "
@@ -105,7 +112,6 @@ class CriuEngine(Engine):
                     time.strftime("%H:%M:%S", time.localtime(image.created)))
         append_event(self.store.events_path, "resume", checkpoint=image.name, engine=self.name,
                      bytes=image.nbytes)
-        _make_socket_dirs(image)
         inherit = []
         for fd, resource in _handed_over(image).items():
             inherit.append(f"fd[{fd}]:{resource}")
@@ -297,6 +303,39 @@ def _open_resources(root: int) -> dict[str, str]:
             except OSError:
                 continue
     return found
+
+
+#: How long a pid of the image may still be in use (a process of the last cycle being reaped);
+#: $PROCCKPT_CRIU_PID_WAIT seconds where set.
+PID_WAIT_S = 10.0
+ENV_PID_WAIT = "PROCCKPT_CRIU_PID_WAIT"
+
+
+def _pids_taken(image: CheckpointInfo, wait: float | None = None) -> str | None:
+    """Which of the image's pids (its processes' and threads', from ``core-PID.img``) a live
+    process holds here, said as one clause; None when all are free."""
+    pids = sorted(int(name[5:-4]) for name in image.manifest.get("files", {})
+                  if name.startswith("core-") and name.endswith(".img") and name[5:-4].isdigit())
+    if wait is None:
+        try:
+            wait = float(os.environ.get(ENV_PID_WAIT) or PID_WAIT_S)
+        except ValueError:
+            wait = PID_WAIT_S
+    deadline = time.monotonic() + wait
+    while True:
+        taken = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        if not taken:
+            return None
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    pid = taken[0]
+    try:
+        what = " ".join(psutil.Process(pid).cmdline())[:120] or psutil.Process(pid).name()
+    except psutil.Error:
+        what = "another process"
+    more = f" (and {len(taken) - 1} more of its {len(pids)})" if len(taken) > 1 else ""
+    return f"pid {pid} is taken by `{what}`{more}"
 
 
 def _socket_dirs(tree: list[psutil.Process]) -> list[str]:
