@@ -20,7 +20,7 @@ from ..conftest import PROGRAMS, PYTHON
 from .test_criu import _PROBLEM, _TOOLS, assert_same, reference
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("criu-slurm"),
+pytestmark = [pytest.mark.slurm, pytest.mark.slow,
               pytest.mark.skipif(_TOOLS is None, reason=f"no usable CRIU here: {_PROBLEM}")]
 
 ARGS = ["--epochs", "8", "--step-sleep", "0.4"]  # 8 x 32 steps x 0.4 s: about 100 s
