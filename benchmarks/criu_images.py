@@ -39,6 +39,9 @@ from procckpt.launcher.engines.criu import CriuEngine, criu_problem, find_criu
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
+sys.path.insert(0, str(Path(__file__).parent))
+from dmtcp_images import _raw_write  # noqa: E402 (the same raw write as DMTCP's, beside it)
+
 __all__ = ["main"]
 
 _WORKLOAD = """
@@ -63,16 +66,6 @@ def _wait(engine: CriuEngine, seq: int) -> None:
 
 def _image_bytes(path: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(path.glob("*.img")))
-
-
-def _raw_write(data: bytes, target: Path) -> float:
-    with open(target, "wb") as f:
-        started = time.monotonic()
-        f.write(data)
-        seconds = time.monotonic() - started
-        os.fsync(f.fileno())
-    target.unlink()
-    return seconds
 
 
 def _raw_read(path: Path) -> float:

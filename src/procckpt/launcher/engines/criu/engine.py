@@ -30,10 +30,10 @@ from typing import Any
 
 import psutil
 
-from ....errors import UsageError
 from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation, Engine
+from ..images import newest_image
 from .tools import CriuError, CriuTools
 
 __all__ = ["CriuEngine", "RESTORE_SCRIPT"]
@@ -188,21 +188,8 @@ class CriuEngine(Engine):
 
     # -- images ---------------------------------------------------------------------------
     def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
-        """The newest intact image that has not failed to restore."""
-        for info in self.store.intact_setting_aside_damaged():
-            if info.manifest.get("engine") != self.name:
-                raise UsageError(
-                    f"the newest checkpoint in {self.store.root} ({info.name}) was written by "
-                    f"the {info.manifest.get('engine')} engine, not by CRIU: run with --engine "
-                    f"{info.manifest.get('engine')}, or use a new --dir")
-            if info.name in self._failed_images:
-                continue
-            return info
-        if self._failed_images and not quiet:
-            raise CriuError(f"every CRIU image in {self.store.ckpt_root} failed to restore "
-                            f"({', '.join(sorted(self._failed_images))}); refusing to start "
-                            "from scratch: move the directory away to train anew")
-        return None
+        return newest_image(self.store, self.name, "CRIU", self._failed_images, CriuError,
+                            quiet)
 
     def _root(self) -> int | None:
         """The root of the command's tree: the keeper's child, or the restored root."""

@@ -28,10 +28,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ....durations import parse_duration
-from ....errors import UsageError
 from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation, Engine
+from ..images import newest_image
 from .coordinator import Coordinator
 from .cycle import Cycle, Job
 from .forks import STALL_S, CopyWatch, StuckImages, fork_safe_env, own_processes
@@ -257,20 +257,8 @@ class DmtcpEngine(Engine):
 
         Checksums are verified first: a truncated image would make mtcp_restart spin forever.
         """
-        for info in self.store.intact_setting_aside_damaged():
-            if info.manifest.get("engine") != self.name:
-                raise UsageError(
-                    f"the newest checkpoint in {self.store.root} ({info.name}) was written by "
-                    f"the {info.manifest.get('engine')} engine, not by DMTCP: run with --engine "
-                    f"{info.manifest.get('engine')}, or use a new --dir")
-            if info.name in self._failed_images:
-                continue
-            return info
-        if self._failed_images and not quiet:
-            raise DmtcpError(f"every DMTCP image in {self.store.ckpt_root} failed to restart "
-                             f"({', '.join(sorted(self._failed_images))}); refusing to start "
-                             "from scratch: move the directory away to train anew")
-        return None
+        return newest_image(self.store, self.name, "DMTCP", self._failed_images, DmtcpError,
+                            quiet)
 
     def _reset_work_dir(self) -> None:
         """An empty image dir and no port file from an earlier cycle."""
