@@ -388,6 +388,8 @@ class Checkpointer:
                         "writes itself; a crash resumes from the newest checkpoint")
             self._tier.close()
             self._tier = None
+            if self._dist is not None:
+                self._dist.tier = None  # (no rank brings it to the agreement any more)
             return
         position = self._progress.position
         if isinstance(self._tier, GroupTier):
