@@ -82,6 +82,14 @@ class CriuEngine(Engine):
         self._job: _Job | None = None
         self._confirmed: Confirmation | None = None
         self._failed_images: set[str] = set()
+        self._stuck: str | None = None
+
+    @property
+    def stuck(self) -> str | None:
+        """Why no image of this command will be taken: CRIU could not dump it (a resource it
+        cannot image: a GPU, a socket to elsewhere). A stop whose image failed then ends the
+        run in one line instead of restarting into the same failure."""
+        return self._stuck
 
     # -- the Engine interface -------------------------------------------------------------
     def start_cycle(self, argv: list[str], token: str) -> tuple[list[str], dict[str, str]]:
@@ -132,11 +140,11 @@ class CriuEngine(Engine):
             job = self._job
             if job is not None and not job.answered and (job.stop or not stop):
                 return job.seq  # one image at a time; a stop waits for nothing else
-            if job is not None and not job.answered:
-                assert job.thread is not None
-                job.thread.join()  # (a running image first: the stop's follows it)
+            # A stop during a running image: its own image follows that one (its thread waits
+            # for it), so that nothing runs past the image a stop restores.
+            before = job.thread if job is not None and not job.answered else None
             job = _Job(self._seq, reason, stop)
-            job.thread = threading.Thread(target=self._serve, args=(job,),
+            job.thread = threading.Thread(target=self._serve, args=(job, before),
                                           name="procckpt-criu-dump", daemon=True)
             self._job = job
         job.thread.start()
@@ -209,11 +217,16 @@ class CriuEngine(Engine):
         return children[0].pid if children else None
 
     # -- checkpoints ----------------------------------------------------------------------
-    def _serve(self, job: _Job) -> None:
+    def _serve(self, job: _Job, before: threading.Thread | None = None) -> None:
+        if before is not None:
+            before.join()
         c = self._dump(job)
         with self._lock:
             self._confirmed = c
             job.answered = True
+            if c.checkpoint is None and (c.error or "").startswith("criu dump failed") \
+                    and self._stuck is None:
+                self._stuck = f"criu dump fails on this command ({c.error})"
         if c.checkpoint is not None:
             try:
                 self.store.prune()

@@ -1,0 +1,77 @@
+"""The CRIU engine's bookkeeping around its dumps: one image at a time, a stop that comes
+during a running image gets an image of its own after it (never the running one: the tree
+goes on past it), and a dump that fails makes the engine stuck (a stop whose image failed
+ends the run in one line). The dump itself is a seam here; tests/e2e/test_criu.py runs CRIU."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from procckpt.launcher.engines import Confirmation
+from procckpt.launcher.engines.criu import CriuEngine, CriuTools
+from procckpt.store import CheckpointStore
+
+pytestmark = pytest.mark.unit
+
+
+def _engine(tmp_path: Path, dump) -> CriuEngine:
+    engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools("criu", (4, 2)))
+    engine.start_cycle(["python", "train.py"], "token")
+    engine._dump = dump  # type: ignore[method-assign]
+    return engine
+
+
+def _confirmed(engine: CriuEngine, seq: int) -> Confirmation:
+    deadline = time.monotonic() + 10
+    while (c := engine.confirmation(seq)) is None:
+        assert time.monotonic() < deadline, "no confirmation"
+        time.sleep(0.01)
+    return c
+
+
+def test_a_stop_during_a_running_image_gets_its_own_image_after_it(tmp_path: Path):
+    release = threading.Event()
+    taken: list[tuple[str, bool]] = []
+
+    def dump(job):
+        if not job.stop:
+            release.wait(10)
+        taken.append((job.reason, job.stop))
+        return Confirmation(f"ckpt-{job.seq}", None, job.stop, job.seq)
+
+    engine = _engine(tmp_path, dump)
+    periodic = engine.request("checkpoint", "interval")
+    assert engine.request("checkpoint", "interval") == periodic  # shares the running one
+    started = time.monotonic()
+    stop = engine.request("stop", "deadline")
+    assert time.monotonic() - started < 1  # (the supervisor's loop is not held up)
+    assert stop != periodic and engine.confirmation(stop) is None
+    release.set()
+    c = _confirmed(engine, stop)
+    assert c.stopping and c.checkpoint == f"ckpt-{stop}"
+    assert taken == [("interval", False), ("deadline", True)]
+    assert engine.stuck is None
+
+
+def test_a_dump_that_fails_makes_the_engine_stuck(tmp_path: Path):
+    def dump(job):
+        return Confirmation(None, None, job.stop, job.seq,
+                            "criu dump failed (Error (criu/sk-inet.c): Connected TCP socket)")
+
+    engine = _engine(tmp_path, dump)
+    c = _confirmed(engine, engine.request("stop", "deadline"))
+    assert c.checkpoint is None
+    assert engine.stuck == ("criu dump fails on this command (criu dump failed (Error "
+                            "(criu/sk-inet.c): Connected TCP socket))")
+
+
+def test_no_image_while_nothing_runs_is_not_stuck(tmp_path: Path):
+    engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools("criu", (4, 2)))
+    engine.start_cycle(["python", "train.py"], "token")
+    c = _confirmed(engine, engine.request("checkpoint", "interval"))
+    assert c.checkpoint is None and c.error == "the command is not running"
+    assert engine.stuck is None
