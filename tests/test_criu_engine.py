@@ -60,13 +60,13 @@ def test_a_stop_during_a_running_image_gets_its_own_image_after_it(tmp_path: Pat
 def test_a_dump_that_fails_makes_the_engine_stuck(tmp_path: Path):
     def dump(job):
         return Confirmation(None, None, job.stop, job.seq,
-                            "criu dump failed (Error (criu/sk-inet.c): Connected TCP socket)")
+                            "criu dump failed: Error (criu/sk-inet.c): Connected TCP socket")
 
     engine = _engine(tmp_path, dump)
     c = _confirmed(engine, engine.request("stop", "deadline"))
     assert c.checkpoint is None
-    assert engine.stuck == ("criu dump fails on this command (criu dump failed (Error "
-                            "(criu/sk-inet.c): Connected TCP socket))")
+    assert engine.stuck == ("CRIU cannot image this command: Error (criu/sk-inet.c): "
+                            "Connected TCP socket")
 
 
 def test_no_image_while_nothing_runs_is_not_stuck(tmp_path: Path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Callable
@@ -163,6 +164,26 @@ def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
     assert "criu: restoring ckpt-" in again.stderr, again.stderr[-3000:]
     assert steps(again.stdout)[-1] == 96
     assert_same(expected, out)
+
+
+@needs_criu
+def test_a_command_criu_cannot_image_ends_the_run_in_one_line(workdir: Path):
+    """A script holding a TCP connection to a server outside its tree, which CRIU does not
+    image: the deadline's image fails, and the run ends saying why, with no restart."""
+    script = workdir / "tcp.py"
+    script.write_text("import socket, sys, time\n"
+                      "s = socket.create_connection(('127.0.0.1', int(sys.argv[1])))\n"
+                      "for i in range(1, 1000):\n"
+                      "    print('step', i, flush=True)\n"
+                      "    time.sleep(0.2)\n")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        done = run([*procckpt_argv(), "run", "--dir", str(workdir / "ckpt"), "--engine", "criu",
+                    "--time-limit", "8s", "--grace", "3s", "--", PYTHON, str(script),
+                    str(server.getsockname()[1])], cwd=workdir, timeout=300)
+    assert done.returncode == 124, done.stderr[-3000:]
+    said = [x for x in done.stderr.splitlines() if "CRIU cannot image this command: " in x]
+    assert len(said) == 1 and "Connected TCP socket" in said[0], done.stderr[-3000:]
+    assert "cycle 2" not in done.stderr
 
 
 def _holding(pid: int) -> subprocess.Popen[bytes]:

@@ -44,6 +44,8 @@ RESTORE_SCRIPT = str(Path(__file__).with_name("restore.py"))
 #: How long one dump may take: a base and a rate (the slowest disks seen write 20 MB/s).
 DUMP_BASE_S = 120.0
 DUMP_BYTES_PER_S = 20e6
+#: How a failed dump's error begins (the rest is CRIU's first error line).
+_DUMP_FAILED = "criu dump failed: "
 #: The fds of the command handed over at a restore (its stdout and stderr).
 _HANDED_OVER = (1, 2)
 
@@ -224,9 +226,9 @@ class CriuEngine(Engine):
         with self._lock:
             self._confirmed = c
             job.answered = True
-            if c.checkpoint is None and (c.error or "").startswith("criu dump failed") \
-                    and self._stuck is None:
-                self._stuck = f"criu dump fails on this command ({c.error})"
+            error = c.error or ""
+            if c.checkpoint is None and error.startswith(_DUMP_FAILED) and self._stuck is None:
+                self._stuck = f"CRIU cannot image this command: {error[len(_DUMP_FAILED):]}"
         if c.checkpoint is not None:
             try:
                 self.store.prune()
@@ -258,7 +260,7 @@ class CriuEngine(Engine):
                                       timeout=DUMP_BASE_S + nbytes / DUMP_BYTES_PER_S)
                 job.dumped = done.returncode == 0
                 if done.returncode != 0:
-                    raise CriuError(f"criu dump failed ({_last_error(self.work / 'dump.log')})")
+                    raise CriuError(f"{_DUMP_FAILED}{_last_error(self.work / 'dump.log')}")
                 dumped = time.monotonic() - started
                 for name in sorted(os.listdir(pending.path)):
                     if stat.S_ISREG(os.lstat(pending.path / name).st_mode):
