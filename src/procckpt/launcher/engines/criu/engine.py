@@ -392,4 +392,4 @@ def _last_error(log: Path) -> str:
                  and "FAILED" not in line]
     except OSError:
         return f"no log at {log}"
-    return lines[0] if lines else f"see {log}"
+    return lines[0].rstrip(".") if lines else f"see {log}"

@@ -40,7 +40,7 @@ def _last_error(log: str) -> str:
                  and "FAILED" not in line]
     except OSError:
         return "no log"
-    return lines[0] if lines else "no error logged"
+    return lines[0].rstrip(".") if lines else "no error logged"
 
 
 def main(argv: list[str]) -> int:
