@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ProcckptError
-from ..protocol.control import ENV_TIER
+from ..protocol.control import ENV_TIER, TIER_RANK_DIR
 from ..protocol.events import append_event
 from ..protocol.leftovers import make_owned_dir, sweep_dead
 from ..store import CheckpointInfo, CheckpointStore
@@ -38,8 +38,6 @@ logger = logging.getLogger(__name__)
 ENV_TIER_ROOT = "PROCCKPT_MEMORY_TIER_ROOT"
 DEFAULT_ROOT = Path("/dev/shm")
 _PREFIX = "procckpt-tier-"
-#: A group's rank's slots (training/group/tier.py).
-_RANK_DIR = "rank-{rank:05d}"
 #: A slot to keep: its meta, its files, when it was written.
 _Slot = tuple[dict[str, Any], list[Path], Any]
 #: Manifest keys the store writes itself; the rest is the checkpoint's meta.
@@ -92,7 +90,7 @@ class LauncherTier:
     def _newest_slot(self, newer_than: int | None) -> _Slot | None:
         """The newest intact slot past ``newer_than``: its meta, its files, when it was
         written. A torn slot is passed over (its CRCs are read)."""
-        first = self.path / _RANK_DIR.format(rank=0)
+        first = self.path / TIER_RANK_DIR.format(rank=0)
         if first.is_dir():
             return _newest_group_slot(self.path, newer_than)
         slots = self.store.checkpoints()
@@ -111,7 +109,7 @@ class LauncherTier:
 def _newest_group_slot(root: Path, newer_than: int | None) -> _Slot | None:
     """A group's newest step past ``newer_than`` that every rank holds intact, as one
     checkpoint: rank 0's state and meta, every other rank's rank file."""
-    first = CheckpointStore(root / _RANK_DIR.format(rank=0))
+    first = CheckpointStore(root / TIER_RANK_DIR.format(rank=0))
     for slot in first.checkpoints():  # newest first
         if slot.step is None or not _newer(slot.step, newer_than):
             return None
@@ -120,7 +118,8 @@ def _newest_group_slot(root: Path, newer_than: int | None) -> _Slot | None:
         world = int(slot.manifest.get("world_size") or 1)
         files = [slot.path / name for name in slot.manifest["files"]]
         for rank in range(1, world):
-            part = _intact_at(CheckpointStore(root / _RANK_DIR.format(rank=rank)), slot.step)
+            rank_store = CheckpointStore(root / TIER_RANK_DIR.format(rank=rank))
+            part = _intact_at(rank_store, slot.step)
             if part is None:
                 break
             files.extend(part.path / name for name in part.manifest["files"])

@@ -47,7 +47,8 @@ from typing import Any
 __all__ = ["Request", "Ack", "Heartbeat", "ControlChannel", "ENV_TOKEN", "ENV_DIR", "ENV_RESTART",
            "ENV_CYCLE", "ENV_ENGINE", "ENV_CHECK", "ENV_RECOVERY", "CHECK_UNSAVED",
            "keep_unsaved_advice",
-           "STACK_DUMP_SIGNAL", "ENV_AUDIT", "ENV_TIER", "AUDIT_MODES", "AUDIT_REFUSED"]
+           "STACK_DUMP_SIGNAL", "ENV_AUDIT", "ENV_TIER", "TIER_RANK_DIR", "AUDIT_MODES",
+           "AUDIT_REFUSED"]
 
 ENV_TOKEN = "PROCCKPT_TOKEN"
 ENV_DIR = "PROCCKPT_DIR"
@@ -66,6 +67,9 @@ CHECK_UNSAVED = "unsaved."
 ENV_AUDIT = "PROCCKPT_AUDIT"
 #: The memory tier's directory (launcher/tier.py): the training keeps its newest state there.
 ENV_TIER = "PROCCKPT_MEMORY_TIER_DIR"
+#: In a group, each rank's slots inside that directory (training/group/tier.py writes them,
+#: launcher/tier.py reads them).
+TIER_RANK_DIR = "rank-{rank:05d}"
 AUDIT_MODES = ("strict", "warn", "off")
 #: What a rank that the audit stopped reports as its failure's kind (``report_failure``).
 AUDIT_REFUSED = "ResumeAuditError"

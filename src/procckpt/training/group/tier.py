@@ -24,17 +24,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...protocol.control import ENV_TIER
+from ...protocol.control import ENV_TIER, TIER_RANK_DIR
 from ..link.flags import Flags
 from ..save.tier import TierWriter
 from .coordinator import RANK_FILE, GroupMember, rank_part
 
-__all__ = ["GroupTier", "RANK_DIR"]
+__all__ = ["GroupTier"]
 
 logger = logging.getLogger(__name__)
-
-#: Each rank's slots, inside the launcher's tier directory.
-RANK_DIR = "rank-{rank:05d}"
 
 
 class GroupTier:
@@ -62,7 +59,7 @@ class GroupTier:
             return None
         root = Path(path)
         name = "state.pt" if rank == 0 else RANK_FILE.format(rank=rank)
-        mine = root / RANK_DIR.format(rank=rank)
+        mine = root / TIER_RANK_DIR.format(rank=rank)
         if not root.is_dir():  # (never made here: the launcher makes it)
             writer = TierWriter(mine, journal, name)
             writer.turn_off(f"rank {rank}'s node has no {root} (the ranks span nodes)",
