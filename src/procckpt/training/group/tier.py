@@ -62,8 +62,8 @@ class GroupTier:
         mine = root / TIER_RANK_DIR.format(rank=rank)
         if not root.is_dir():  # (never made here: the launcher makes it)
             writer = TierWriter(mine, journal, name)
-            writer.turn_off(f"rank {rank}'s node has no {root} (the ranks span nodes)",
-                            say=rank == 0)
+            # (said here: rank 0's line at the agreement points to this rank's log)
+            writer.turn_off(f"rank {rank}'s node has no {root} (the ranks span nodes)")
             return cls(writer, rank, world_size)
         return cls(TierWriter.opened(mine, journal, name), rank, world_size)
 
