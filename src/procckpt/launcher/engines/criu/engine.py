@@ -242,16 +242,17 @@ class CriuEngine(Engine):
             return Confirmation(None, None, job.stop, job.seq, "the command is not running")
         started = time.monotonic()
         cycle = self._cycle
+        tree = _tree(root)
         meta: dict[str, Any] = {
             "engine": self.name, "reason": job.reason, "command": self._command,
             "restored_from": cycle.restored_from.name if cycle and cycle.restored_from
             else None, "job_id": os.environ.get("SLURM_JOB_ID"),
             "criu": {"version": self.tools.version_text, "root": root,
-                     "fds": _open_resources(root), "socket_dirs": _socket_dirs(_tree(root))},
+                     "fds": _open_resources(root), "socket_dirs": _socket_dirs(tree)},
         }
         try:
             with self.store.begin(meta) as pending:
-                nbytes = sum(p.memory_info().rss for p in _tree(root))
+                nbytes = sum(p.memory_info().rss for p in tree)
                 argv = [self.tools.criu, "dump", "-t", str(root), "--shell-job", "-D",
                         str(pending.path), "-W", str(self.work), "-o", "dump.log"]
                 if not job.stop:
