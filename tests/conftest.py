@@ -107,6 +107,18 @@ def async_save(request: pytest.FixtureRequest) -> bool:
     return request.param == "background"
 
 
+#: The environment that keeps CRIU from `--engine auto` (its binary named where none is): the
+#: DMTCP engine's tests use it, as auto takes DMTCP only where CRIU cannot be used.
+NO_CRIU_ENV = {"PROCCKPT_CRIU": "/nonexistent/criu"}
+
+
+@pytest.fixture
+def without_criu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`procckpt run` under this test finds no CRIU (so auto picks DMTCP for plain scripts)."""
+    for name, value in NO_CRIU_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
 def procckpt_argv() -> list[str]:
     return [PYTHON, "-m", "procckpt"]
 

@@ -15,7 +15,7 @@ import pytest
 
 from procckpt.errors import UsageError
 from procckpt.launcher.engines.choice import choose_engine, cuda_visible, imports_procckpt
-from procckpt.launcher.engines.criu import criu_problem
+from procckpt.launcher.engines.criu import CriuProblem, CriuTools, criu_problem
 from procckpt.launcher.engines.dmtcp import DmtcpTools
 from procckpt.store import CheckpointStore
 
@@ -25,6 +25,8 @@ pytestmark = pytest.mark.unit
 TOOLS = DmtcpTools("/opt/d/dmtcp_launch", "/opt/d/dmtcp_restart", "/opt/d/dmtcp_command",
                    "/opt/d/dmtcp_coordinator")
 NO_GPU: dict[str, str] = {"CUDA_VISIBLE_DEVICES": ""}
+NO_CRIU = (None, CriuProblem("criu is not on PATH", "--engine criu needs CRIU, but ..."))
+CRIU = (CriuTools("/opt/c/criu", (4, 2)), None)
 
 
 @pytest.fixture
@@ -41,10 +43,10 @@ def write_script(tmp_path: Path, name: str, text: str) -> Path:
 
 def choose(store: CheckpointStore, command: list[str], tmp_path: Path, requested: str = "auto",
            environ: dict[str, str] | None = None, tools: DmtcpTools | None = TOOLS,
-           probe_result: str | None = None):
+           probe_result: str | None = None, criu=NO_CRIU):
     return choose_engine(requested, command, store, environ=NO_GPU if environ is None else environ,
                          cwd=tmp_path, find=lambda: tools, probe=lambda t: probe_result,
-                         dev=tmp_path / "dev")
+                         criu=lambda: criu, dev=tmp_path / "dev")
 
 
 def commit(store: CheckpointStore, engine: str) -> None:
@@ -176,7 +178,7 @@ def test_a_failed_test_launch_keeps_auto_on_hooks(tmp_path, store):
                     probe_result="a test launch under dmtcp_launch failed (exit 1: boom)")
     assert choice.name == "hooks"
     assert choice.reason == "DMTCP is installed but a test launch under dmtcp_launch failed " \
-                            "(exit 1: boom)"
+                            "(exit 1: boom); not CRIU: criu is not on PATH"
 
 
 def test_existing_checkpoints_decide_so_a_run_never_switches_engines(tmp_path, store):
@@ -266,3 +268,41 @@ def test_the_stdout_and_stderr_of_an_image_are_handed_over_once_each():
     assert _handed_over(image({"1": "pipe:[7]", "2": "run/err"})) == {1: "pipe:[7]",
                                                                      2: "run/err"}
     assert _handed_over(image({})) == {}
+
+
+def test_auto_prefers_criu_for_a_plain_script_then_dmtcp_then_hooks(tmp_path, store):
+    write_script(tmp_path, "train.py", "import torch\n")
+    chosen = choose(store, ["python", "train.py"], tmp_path, criu=CRIU)
+    assert (chosen.name, chosen.tools, chosen.reason) == (
+        "criu", CRIU[0], "the command does not import procckpt and CRIU 4.2 can image it")
+    no_criu = choose(store, ["python", "train.py"], tmp_path)
+    assert (no_criu.name, no_criu.reason) == (
+        "dmtcp", "the command does not import procckpt and DMTCP is installed (not CRIU: criu "
+                 "is not on PATH)")
+    neither = choose(store, ["python", "train.py"], tmp_path, tools=None)
+    assert neither.name == "hooks" and neither.reason.startswith(
+        "DMTCP is not installed (no dmtcp_launch on PATH), not CRIU: criu is not on PATH;")
+    assert neither.warning is not None and "install CRIU or DMTCP" in neither.warning
+    # A script that imports procckpt keeps hooks, and a GPU keeps both images away.
+    write_script(tmp_path, "hooked.py", "import procckpt\n")
+    assert choose(store, ["python", "hooked.py"], tmp_path, criu=CRIU).name == "hooks"
+    gpu = choose(store, ["python", "train.py"], tmp_path, criu=CRIU,
+                 environ={"CUDA_VISIBLE_DEVICES": "0"})
+    assert gpu.name == "hooks" and "neither CRIU nor DMTCP" in gpu.reason
+
+
+@pytest.mark.parametrize("command, launcher", [
+    (["torchrun", "--nproc-per-node", "2", "train.py"], "torchrun"),
+    (["python3", "-m", "torch.distributed.run", "--standalone", "train.py"],
+     "python -m torch.distributed.run"),
+    (["sh", "-c", "cd run && srun python train.py"], "srun"),
+    (["/usr/bin/mpirun", "-n", "4", "python", "train.py"], "mpirun"),
+])
+def test_a_launcher_of_ranks_is_not_given_to_criu(tmp_path, store, command, launcher):
+    write_script(tmp_path, "train.py", "import torch\n")
+    (tmp_path / "run").mkdir()
+    write_script(tmp_path, "run/train.py", "import torch\n")
+    chosen = choose(store, command, tmp_path, criu=CRIU)
+    assert chosen.name == "dmtcp", chosen.reason
+    assert chosen.reason.endswith(f"(not CRIU: {launcher} starts ranks that talk over TCP, "
+                                  "which a CRIU image does not hold)")

@@ -14,7 +14,7 @@ import pytest
 
 from procckpt.protocol.events import read_events
 
-from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..conftest import NO_CRIU_ENV, PROGRAMS, PYTHON, procckpt_argv, run
 from ..harness.processes import (
     LOADER,
     TINY,
@@ -84,7 +84,7 @@ def test_a_script_that_cannot_be_checkpointed_is_told_at_the_start(workdir: Path
     script.write_text("import time\nfor i in range(100):\n    print(i, flush=True)\n"
                       "    time.sleep(0.2)\n")
     env = {"PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
-                                   if not (Path(p) / "dmtcp_launch").exists())}
+                                   if not (Path(p) / "dmtcp_launch").exists()), **NO_CRIU_ENV}
     result = run([*procckpt_argv(), "run", "--time-limit", "6s", "--grace", "2s", "--",
                   PYTHON, str(script)], cwd=workdir, env=env)
     assert result.returncode == 124, result.stderr[-3000:]

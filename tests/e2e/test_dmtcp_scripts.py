@@ -21,6 +21,9 @@ from procckpt.launcher.engines.dmtcp import find_dmtcp
 from ..conftest import assert_bit_identical, procckpt_argv, run
 from .test_dmtcp import LOOP, TORCH, events, loop_reference, needs_dmtcp, procckpt_run, steps
 
+# auto takes DMTCP for a plain script only where CRIU cannot be used: CRIU is hidden here.
+pytestmark = pytest.mark.usefixtures("without_criu")
+
 DIAGNOSIS = "DMTCP could not checkpoint the command"
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, run
+from ..conftest import EXAMPLES, NO_CRIU_ENV, PROGRAMS, PYTHON, assert_bit_identical, run
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 
 # One worker runs the module: its fixture submits both jobs together.
@@ -45,7 +45,8 @@ def dmtcp_jobs(slurm_cluster, tmp_path_factory: pytest.TempPathFactory):
         job.workdir.mkdir()
     procckpt_sbatch(slurm_cluster, loop, ["-t", "1"],
                     [PYTHON, str(PROGRAMS / "plain_loop.py"), "--steps", str(LOOP_STEPS),
-                     "--ballast-mb", "8", "--out", str(loop.workdir / "out.txt")])
+                     "--ballast-mb", "8", "--out", str(loop.workdir / "out.txt")],
+                    env=NO_CRIU_ENV)  # auto takes DMTCP where CRIU cannot be used
     procckpt_sbatch(slurm_cluster, torch_job, ["-t", "1", "--engine", "dmtcp"],
                     [PYTHON, str(EXAMPLES / "plain_torch_train.py"), *TORCH_ARGS,
                      "--out", str(torch_job.workdir / "final.pt")])
@@ -83,8 +84,8 @@ def assert_requeued_and_resumed_from_images(watcher: JobWatcher, job: Job, total
 def test_plain_loop_is_requeued_and_continues_from_its_image(dmtcp_jobs):
     watcher, loop, _, references = dmtcp_jobs
     assert_requeued_and_resumed_from_images(watcher, loop, LOOP_STEPS)
-    assert "engine: dmtcp (the command does not import procckpt and DMTCP is installed)" \
-        in loop.log
+    assert "engine: dmtcp (the command does not import procckpt and DMTCP is installed (not " \
+           "CRIU: /nonexistent/criu is not an executable))" in loop.log
     assert "engine: dmtcp (the checkpoint dir holds DMTCP images)" in loop.log  # requeued runs
     final = (loop.workdir / "out.txt").read_text().split()
     assert final[:2] == (references / "loop.txt").read_text().split()[:2]

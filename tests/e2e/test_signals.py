@@ -25,7 +25,9 @@ def test_command_runs_in_its_own_session_and_gets_sigint_forwarded(workdir: Path
               "sys.exit(130)))\n"
               "print('sid', os.getsid(0), os.getpid(), flush=True)\n"
               "time.sleep(60)\n")
-    proc = start(["--", PYTHON, "-c", script], workdir)
+    # --engine hooks: a command that saves nothing gets Ctrl-C itself (an image engine would
+    # image it and stop, as for any command it can save).
+    proc = start(["--engine", "hooks", "--", PYTHON, "-c", script], workdir)
     sid, pid = map(int, wait_for_line(proc, "sid").split()[1:])
     # The session is the command's own, led by procckpt's keeper (its parent; keeper.py),
     # not the launcher's.

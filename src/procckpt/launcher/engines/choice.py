@@ -5,10 +5,13 @@ The rule of ``auto``, first match wins:
 1. the checkpoint dir already holds checkpoints: the engine that wrote the newest one (a run
    must not switch engines halfway and start again from scratch);
 2. the command's script imports procckpt (``import procckpt`` / ``from procckpt``): hooks;
-3. DMTCP is not installed (no ``dmtcp_launch`` on PATH): hooks;
-4. CUDA devices are visible: hooks (DMTCP cannot checkpoint a process that uses CUDA);
-5. a test launch under DMTCP fails: hooks;
-6. otherwise DMTCP: the command knows nothing of procckpt and DMTCP can image it.
+3. CUDA devices are visible: hooks (neither CRIU nor DMTCP images a process that uses CUDA);
+4. CRIU passes its checks (4.1 or newer, root, ``criu check``) and the command is not a
+   launcher of ranks that talk over TCP (torchrun, srun, mpirun, ...: CRIU images one
+   tree without its connections): CRIU, which images DataLoader workers too;
+5. DMTCP is not installed (no ``dmtcp_launch`` on PATH): hooks;
+6. a test launch under DMTCP fails: hooks;
+7. otherwise DMTCP: the command knows nothing of procckpt and DMTCP can image it.
 
 The script is the first ``*.py`` argument, the module of ``-m``, or the code of ``-c``. A
 shell given its commands inline (``sh -c 'cd run && python train.py'``, also ``bash -lc``)
@@ -36,7 +39,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 from ...store import CheckpointStore
-from .criu import CriuTools, criu_problem, find_criu
+from .criu import CriuProblem, CriuTools, criu_problem, criu_usable, find_criu
 from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
 from .dmtcp.engine import fork_safe_env
 
@@ -69,6 +72,7 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
                   environ: Mapping[str, str] | None = None, cwd: Path | None = None,
                   find: Callable[[], DmtcpTools | None] = find_dmtcp,
                   probe: Callable[[DmtcpTools], str | None] | None = None,
+                  criu: Callable[[], tuple[CriuTools | None, CriuProblem | None]] | None = None,
                   dev: Path = Path("/dev")) -> EngineChoice:
     """Decide the engine for ``command``; see the module docstring for the ``auto`` rule.
 
@@ -78,6 +82,7 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
     """
     environ = os.environ if environ is None else environ
     probe = probe or probe_dmtcp
+    criu = criu or (lambda: criu_usable(find_criu()))
     written_by = _newest_engine(store)
     if requested == "hooks":
         if written_by in ("dmtcp", "criu"):
@@ -109,22 +114,64 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
     script = imports_procckpt(command, cwd or Path.cwd(), read=read)
     if script is not None:
         return EngineChoice("hooks", f"{script} imports procckpt")
-    tools = find()
-    if tools is None:
-        why = "DMTCP is not installed (no dmtcp_launch on PATH)"
-        return EngineChoice("hooks", f"{why}; the command must use procckpt.Checkpointer to "
-                                     "be checkpointed", warning=_unsaveable(read, why))
     gpu = cuda_visible(environ, dev)
     if gpu:
-        why = f"{gpu}, and DMTCP cannot checkpoint CUDA processes"
+        why = f"{gpu}, and neither CRIU nor DMTCP can image a process that uses CUDA"
         return EngineChoice("hooks", f"{why}; the command must use procckpt.Checkpointer to be "
                                      "checkpointed", warning=_unsaveable(read, why))
-    problem = probe(tools)
+    criu_tools, not_criu = _criu_for_auto(command, criu)
+    if criu_tools is not None:
+        return EngineChoice("criu", "the command does not import procckpt and CRIU "
+                                    f"{criu_tools.version_text} can image it", criu_tools)
+    tools = find()
+    if tools is None:
+        why = f"DMTCP is not installed (no dmtcp_launch on PATH), {not_criu}"
+        return EngineChoice("hooks", f"{why}; the command must use procckpt.Checkpointer to "
+                                     "be checkpointed", warning=_unsaveable(read, why))
+    problem_dmtcp = probe(tools)
+    if problem_dmtcp is not None:
+        return EngineChoice("hooks", f"DMTCP is installed but {problem_dmtcp}; {not_criu}",
+                            warning=_unsaveable(read, f"DMTCP {problem_dmtcp}"))
+    return EngineChoice("dmtcp", "the command does not import procckpt and DMTCP is installed "
+                                 f"({not_criu})", tools)
+
+
+def _criu_for_auto(command: list[str],
+                   criu: Callable[[], tuple[CriuTools | None, CriuProblem | None]],
+                   ) -> tuple[CriuTools | None, str]:
+    """CRIU's tools when ``auto`` may give it ``command``, else why not (``not CRIU: ...``)."""
+    ranks = _rank_launcher(command)
+    if ranks is not None:
+        return None, (f"not CRIU: {ranks} starts ranks that talk over TCP, which a CRIU image "
+                      "does not hold")
+    tools, problem = criu()
     if problem is not None:
-        return EngineChoice("hooks", f"DMTCP is installed but {problem}",
-                            warning=_unsaveable(read, f"DMTCP {problem}"))
-    return EngineChoice("dmtcp", "the command does not import procckpt and DMTCP is installed",
-                        tools)
+        return None, f"not CRIU: {problem.why}"
+    return tools, ""
+
+
+#: Programs (and ``python -m`` modules) that start ranks talking to each other over TCP.
+_RANK_LAUNCHERS = frozenset({"torchrun", "srun", "mpirun", "mpiexec", "accelerate",
+                             "deepspeed", "torch.distributed.run", "torch.distributed.launch"})
+
+
+def _rank_launcher(command: list[str]) -> str | None:
+    """The launcher of ranks ``command`` runs (itself, ``python -m`` it, or a simple command
+    of its inline shell string), else None."""
+    inline = _shell_code(command)
+    if inline is not None:
+        return next(filter(None, map(_rank_launcher, _shell_commands(inline))), None)
+    if not command:
+        return None
+    name = os.path.basename(command[0])
+    if name in _RANK_LAUNCHERS:
+        return name
+    args = command[1:]
+    if name.startswith("python") and "-m" in args[:-1]:
+        module = args[args.index("-m") + 1]
+        if module in _RANK_LAUNCHERS:
+            return f"python -m {module}"
+    return None
 
 
 def _criu_choice(requested: str, written_by: str | None, store: CheckpointStore) -> EngineChoice:
@@ -147,7 +194,7 @@ def _unsaveable(read: list[str], why: str) -> str | None:
         return None  # nothing was seen (a shell script file): it may well use procckpt
     return (f"{read[0]} does not import procckpt and {why}: procckpt can stop and restart it "
             "but cannot save its progress, so a stop loses everything since it started "
-            "(use procckpt.Checkpointer in the script, or install DMTCP)")
+            "(use procckpt.Checkpointer in the script, or install CRIU or DMTCP)")
 
 
 def _newest_engine(store: CheckpointStore) -> str | None:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from ....errors import ProcckptError
 
-__all__ = ["CriuError", "CriuTools", "find_criu", "criu_problem", "MIN_VERSION", "ENV_CRIU"]
+__all__ = ["CriuError", "CriuProblem", "CriuTools", "find_criu", "criu_problem", "criu_usable",
+           "MIN_VERSION", "ENV_CRIU"]
 
 #: The criu binary to use, where it is not the one on PATH.
 ENV_CRIU = "PROCCKPT_CRIU"
@@ -65,34 +66,57 @@ def find_criu(path: str | None = None) -> str | None:
 def criu_problem(binary: str | None, *, euid: int | None = None,
                  timeout: float = 60.0) -> tuple[CriuTools | None, str | None]:
     """The tools, or why ``--engine criu`` cannot run here (one line, what to do)."""
+    tools, problem = criu_usable(binary, euid=euid, timeout=timeout)
+    return tools, None if problem is None else problem.message
+
+
+@dataclass(frozen=True)
+class CriuProblem:
+    """Why CRIU cannot image a process here: ``why`` (a clause: what ``auto`` says when it
+    passes over CRIU) and ``message`` (the one line ``--engine criu`` ends with)."""
+
+    why: str
+    message: str
+
+
+def criu_usable(binary: str | None, *, euid: int | None = None,
+                timeout: float = 60.0) -> tuple[CriuTools | None, CriuProblem | None]:
+    """The tools, or the problem that keeps CRIU from imaging processes here."""
     if binary is None:
         where = os.environ.get(ENV_CRIU)
-        return None, (f"--engine criu needs CRIU, but {where if where else 'criu'} is "
-                      f"{'not an executable' if where else 'not on PATH'}: {_BUILD}")
+        why = f"{where} is not an executable" if where else "criu is not on PATH"
+        return None, CriuProblem(why, f"--engine criu needs CRIU, but {why}: {_BUILD}")
     try:
         out = subprocess.run([binary, "--version"], capture_output=True, text=True,
                              timeout=timeout)
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"{binary} --version failed ({e}): {_BUILD}"
+        why = f"{binary} --version failed ({e})"
+        return None, CriuProblem(why, f"{why}: {_BUILD}")
     found = re.search(r"Version:\s*(\d+(?:\.\d+)+)", out.stdout)
     if found is None:
-        return None, f"{binary} --version says no version: {_BUILD}"
+        why = f"{binary} --version says no version"
+        return None, CriuProblem(why, f"{why}: {_BUILD}")
     version = tuple(int(x) for x in found.group(1).split("."))
     if version < MIN_VERSION:
-        return None, (f"{binary} is CRIU {found.group(1)}, which cannot image processes on "
-                      f"kernels from 6.13 (this one: {os.uname().release}): {_BUILD}")
+        why = (f"{binary} is CRIU {found.group(1)}, which cannot image processes on kernels "
+               f"from 6.13 (this one: {os.uname().release})")
+        return None, CriuProblem(why, f"{why}: {_BUILD}")
     if (os.geteuid() if euid is None else euid) != 0:
-        return None, ("--engine criu needs root here (CRIU's --unprivileged mode with file "
-                      "capabilities is not used by procckpt yet): run as root, or use "
-                      "--engine hooks")
+        return None, CriuProblem(
+            "it needs root here",
+            "--engine criu needs root here (CRIU's --unprivileged mode with file capabilities "
+            "is not used by procckpt yet): run as root, or use --engine hooks")
     try:
         check = subprocess.run([binary, "check"], capture_output=True, text=True,
                                timeout=timeout)
     except (OSError, subprocess.SubprocessError) as e:
-        return None, f"`{binary} check` failed ({e})"
+        why = f"`{binary} check` failed ({e})"
+        return None, CriuProblem(why, why)
     if check.returncode != 0:
         said = [line for line in (check.stdout + check.stderr).splitlines()
                 if "Error" in line] or (check.stdout + check.stderr).splitlines()[-1:]
-        return None, (f"`{binary} check` fails on this machine ({said[0].strip() if said else ''}"
-                      f"): CRIU {found.group(1)} cannot image processes here; use --engine hooks")
+        why = (f"`{binary} check` fails on this machine "
+               f"({said[0].strip() if said else ''})")
+        return None, CriuProblem(why, f"{why}: CRIU {found.group(1)} cannot image processes "
+                                      "here; use --engine hooks")
     return CriuTools(binary, version), None
