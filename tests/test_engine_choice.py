@@ -223,10 +223,15 @@ def test_one_crashed_test_launch_is_tried_again_and_two_keep_auto_on_hooks(tmp_p
     assert (twice / "launches").read_text().strip() == "2"
 
 
-def _fake_criu(tmp_path: Path, version: str) -> Path:
-    binary = tmp_path / "criu"
-    binary.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'Version: {version}'\n"
-                      "[ \"$1\" = check ] && echo 'Looks good.'\nexit 0\n")
+def _fake_criu(tmp_path: Path, version: str, name: str = "criu") -> Path:
+    """A criu stand-in: its version, and a `check` that passes as root and, as another user
+    (``check --unprivileged``), fails as a binary without capabilities does."""
+    binary = tmp_path / name
+    binary.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 'Version: {version}' && "
+                      "exit 0\n[ \"$2\" = --unprivileged ] && echo 'Warn  (criu/kerndat.c:1200):"
+                      " $XDG_RUNTIME_DIR not set' && echo 'CRIU needs to have the CAP_SYS_ADMIN "
+                      "or the CAP_CHECKPOINT_RESTORE capability: ' && exit 1\n"
+                      "echo 'Looks good.'\n")
     binary.chmod(0o755)
     return binary
 
@@ -239,11 +244,17 @@ def test_engine_criu_refuses_in_one_line_what_cannot_image_here(tmp_path, store,
     with pytest.raises(UsageError, match=r"is CRIU 3\.17, which cannot image processes on "
                                          r"kernels from 6\.13"):
         choose(store, ["python", "x.py"], tmp_path, requested="criu")
-    tools, problem = criu_problem(str(_fake_criu(tmp_path, "4.2")), euid=1000)
-    assert tools is None and problem is not None and problem.startswith(
-        "--engine criu needs root here")
-    tools, problem = criu_problem(str(_fake_criu(tmp_path, "4.2")), euid=0)
+    fake = _fake_criu(tmp_path, "4.2")
+    tools, problem = criu_problem(str(fake), euid=1000)
+    assert tools is None and problem == (
+        f"--engine criu as a user other than root needs CRIU's capabilities, and `{fake} check "
+        "--unprivileged` fails on this machine (CRIU needs to have the CAP_SYS_ADMIN or the "
+        "CAP_CHECKPOINT_RESTORE capability): run as root, or have an administrator give the "
+        f"binary its capabilities (setcap cap_checkpoint_restore,cap_sys_ptrace,cap_setpcap+eip "
+        f"{fake}; Linux 5.9 or newer), or use --engine hooks")
+    tools, problem = criu_problem(str(fake), euid=0)
     assert problem is None and tools is not None and tools.version == (4, 2)
+    assert not tools.unprivileged and tools.options == []
 
 
 def test_a_dir_of_criu_images_keeps_criu_and_refuses_hooks(tmp_path, store, monkeypatch):
@@ -306,3 +317,16 @@ def test_a_launcher_of_ranks_is_not_given_to_criu(tmp_path, store, command, laun
     assert chosen.name == "dmtcp", chosen.reason
     assert chosen.reason.endswith(f"(not CRIU: {launcher} starts ranks that talk over TCP, "
                                   "which a CRIU image does not hold)")
+
+
+def test_a_user_other_than_root_uses_criu_unprivileged_where_its_check_passes(tmp_path):
+    """A binary whose `check --unprivileged` passes (file capabilities set) is used with
+    --unprivileged in every dump and restore."""
+    able = tmp_path / "criu"
+    able.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'Version: 4.2' && exit 0\n"
+                    "echo \"$@\" >> " + str(tmp_path / "calls") + "\necho 'Looks good.'\n")
+    able.chmod(0o755)
+    tools, problem = criu_problem(str(able), euid=1000)
+    assert problem is None and tools is not None
+    assert tools.unprivileged and tools.options == ["--unprivileged"]
+    assert (tmp_path / "calls").read_text() == "check --unprivileged\n"

@@ -12,9 +12,11 @@ one-line refusals of ``--engine criu`` run everywhere.
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -225,3 +227,68 @@ def test_engine_criu_without_a_usable_criu_is_one_line_before_training(workdir: 
     lines = [x for x in done.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and says in lines[0], done.stderr
     assert not marker.exists()
+
+
+def _as_nobody(*argv: str) -> list[str]:
+    """``argv`` run as the user nobody. Where the interpreter lives in root's home (pyenv in
+    /root, which only root may enter), nobody gets it the way a cluster's users get a shared
+    Python: readable, here through a private mount namespace with that one folder in it."""
+    drop = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+    real = Path(os.path.realpath(PYTHON))
+    if not real.is_relative_to("/root") or len(real.parts) < 3:
+        return [*drop, *argv]
+    shared = Path("/root", real.parts[2])
+    script = ('set -e; d=$(mktemp -d); mount --bind "$0" "$d"; '
+              'mount -t tmpfs -o mode=755 none /root; mkdir "$0"; mount --move "$d" "$0"; '
+              'rmdir "$d"; exec "$@" </dev/null')  # (a file of the old namespace: no image)
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, str(shared),
+            *drop, *argv]
+
+
+@needs_criu
+def test_a_user_other_than_root_is_imaged_with_criu_unprivileged(workdir: Path):
+    """`procckpt run` as nobody, with a copy of criu that carries its file capabilities: CRIU
+    runs --unprivileged, and the deadline cycles end bit-identical, each step trained once.
+    The same copy without them: one line before training."""
+    if os.geteuid() != 0 or not all(map(shutil.which, ("setcap", "setpriv", "unshare"))):
+        pytest.skip("needs root, setcap, setpriv and unshare (libcap2-bin, util-linux) to make "
+                    "a user and a criu with file capabilities")
+    assert _TOOLS is not None
+    expected = reference(workdir)
+    home = Path(tempfile.mkdtemp(prefix="procckpt-nobody-"))  # /tmp: pytest's is root's own
+    try:
+        criu = home / "criu"
+        shutil.copy2(_TOOLS.criu, criu)
+        shutil.chown(home, "nobody", "nogroup")
+        home.chmod(0o755)
+        env = {**os.environ, "HOME": str(home), "PROCCKPT_CRIU": str(criu)}
+        bare = subprocess.run(_as_nobody(*procckpt_argv(), "run", "--engine", "criu", "--dir",
+                                         str(home / "bare"), "--", *LOOP, "--out", "x"),
+                              cwd=home, env=env, capture_output=True, text=True, timeout=120)
+        lines = [line for line in bare.stderr.splitlines() if line.strip()]
+        assert bare.returncode == 2 and len(lines) == 1, bare.stderr[-3000:]
+        assert "as a user other than root needs CRIU's capabilities" in lines[0]
+        assert f"cap_checkpoint_restore,cap_sys_ptrace,cap_setpcap+eip {criu}" in lines[0]
+
+        subprocess.run(["setcap", "cap_checkpoint_restore,cap_sys_ptrace,cap_setpcap+eip",
+                        str(criu)], check=True)
+        check = subprocess.run(_as_nobody(str(criu), "check", "--unprivileged"),
+                               capture_output=True, text=True, timeout=60)
+        if check.returncode != 0:
+            pytest.skip(f"CRIU's --unprivileged mode does not work here: {check.stdout}"
+                        f"{check.stderr}"[-500:])
+        out, ckpt = home / "out.pt", home / "ckpt"
+        done = subprocess.run(
+            _as_nobody(*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "15s",
+                       "--grace", "5s", "--", *LOOP, "--step-sleep", "0.25", "--out",
+                       str(out)),
+            cwd=home, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "CRIU 4" in done.stderr and "(as this user: --unprivileged)" in done.stderr
+        assert steps(done.stdout) == list(range(1, 97)), done.stdout[-2000:]
+        resumes = events(ckpt, "resume")
+        assert resumes and all(e["engine"] == "criu" for e in resumes), done.stderr[-3000:]
+        assert out.stat().st_uid == pwd.getpwnam("nobody").pw_uid
+        assert_same(expected, out)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)

@@ -103,8 +103,9 @@ class CriuEngine(Engine):
         image = self._newest_image()
         self._cycle = _Cycle(token, image)
         if image is None:
-            logger.info("criu: running the command; CRIU %s images its whole process tree",
-                        self.tools.version_text)
+            logger.info("criu: running the command; CRIU %s images its whole process tree%s",
+                        self.tools.version_text, " (as this user: --unprivileged)"
+                        if self.tools.unprivileged else "")
             return list(argv), {}
         taken = _pids_taken(image)
         if taken is not None:
@@ -126,7 +127,7 @@ class CriuEngine(Engine):
         for fd, resource in _handed_over(image).items():
             inherit.append(f"fd[{fd}]:{resource}")
         return [sys.executable, "-I", "-S", RESTORE_SCRIPT, self.tools.criu, str(image.path),
-                str(self.work), *inherit], {}
+                str(self.work), *self.tools.options, *inherit], {}
 
     def child_started(self, pid: int) -> None:
         if self._cycle is not None:
@@ -254,7 +255,8 @@ class CriuEngine(Engine):
             with self.store.begin(meta) as pending:
                 nbytes = sum(p.memory_info().rss for p in tree)
                 argv = [self.tools.criu, "dump", "-t", str(root), "--shell-job", "-D",
-                        str(pending.path), "-W", str(self.work), "-o", "dump.log"]
+                        str(pending.path), "-W", str(self.work), "-o", "dump.log",
+                        *self.tools.options]
                 if not job.stop:
                     argv.append("--leave-running")
                 done = subprocess.run(argv, capture_output=True, text=True,

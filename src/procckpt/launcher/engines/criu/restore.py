@@ -1,5 +1,5 @@
 """A CRIU image restored as a cycle's command: ``python -I -S restore.py CRIU IMAGES WORK
-[fd[N]:RESOURCE ...]``, started behind the keeper like any command.
+[--unprivileged] [fd[N]:RESOURCE ...]``, started behind the keeper like any command.
 
 ``criu restore`` on its own waits for the tree it restored but exits 0 whatever became of it,
 so the launcher would take a crash for a finished run. So this process makes itself a child
@@ -10,7 +10,10 @@ Then it waits for the root and exits as the root did: the same code, or the same
 
 Each ``fd[N]:RESOURCE`` hands this process's fd N to the restored processes in place of the
 file or pipe they had open as RESOURCE (their stdout and stderr: a log that grew since the
-image would otherwise fail the restore, and a pipe from an earlier launcher is gone).
+image would otherwise fail the restore, and a pipe from an earlier launcher is gone). CRIU
+opens a handed pipe again through /proc, which a user other than root may not do with a pipe
+of another user's (a container runtime's, a wrapper's run as root): with ``--unprivileged``
+such a pipe is handed over as a pipe of this process's own, which it copies into the real one.
 
 Stdlib only: it must start in milliseconds and never import torch. If the restore fails, it
 says so in one line and exits with 75 before the root's pid file exists: the launcher then
@@ -22,8 +25,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import stat
 import subprocess
 import sys
+import threading
 
 _PR_SET_CHILD_SUBREAPER = 36
 #: Exit code when CRIU could not restore the image (EX_TEMPFAIL).
@@ -44,19 +49,24 @@ def _last_error(log: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    criu, images, work, *inherit = argv
+    criu, images, work, *rest = argv
+    options = [arg for arg in rest if arg.startswith("--")]  # --unprivileged
+    inherit, relays, ends = _handed(
+        [arg for arg in rest if not arg.startswith("--")], "--unprivileged" in options)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     for name in _THE_TREES:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
     pidfile = os.path.join(work, "root.pid")
     log = "restore.log"
     args = [criu, "restore", "--restore-detached", "--restore-sibling", "--shell-job",
-            "-D", images, "-W", work, "-o", log, "--pidfile", pidfile]
+            "-D", images, "-W", work, "-o", log, "--pidfile", pidfile, *options]
     fds = []
     for spec in inherit:
         args += ["--inherit-fd", spec]
         fds.append(int(spec[3:spec.index("]")]))
     done = subprocess.run(args, pass_fds=fds, preexec_fn=_default_signals)
+    for end in ends:
+        os.close(end)  # the tree holds them now: the relays end when it has
     if done.returncode != 0 or not os.path.exists(pidfile):
         print(f"procckpt: criu restore of {images} failed ({_last_error(os.path.join(work, log))})",
               file=sys.stderr, flush=True)
@@ -72,12 +82,63 @@ def main(argv: list[str]) -> int:
             continue
         if pid != root:
             continue  # an orphan of the tree, reaped
+        for relay in relays:
+            relay.join(timeout=5.0)  # what the root wrote last
         if os.WIFSIGNALED(status):
             sig = os.WTERMSIG(status)
             if sig != signal.SIGKILL:
                 signal.signal(sig, signal.SIG_DFL)
             os.kill(os.getpid(), sig)
         return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
+
+
+def _handed(specs: list[str], unprivileged: bool,
+            ) -> tuple[list[str], list[threading.Thread], list[int]]:
+    """The ``--inherit-fd`` specs to give CRIU, the relays started, and the write ends of
+    their pipes (to close once the tree holds them)."""
+    given: list[str] = []
+    relays: list[threading.Thread] = []
+    ends: list[int] = []
+    for spec in specs:
+        fd = int(spec[3:spec.index("]")])
+        if not (unprivileged and _foreign_pipe(fd)):
+            given.append(spec)
+            continue
+        read, write = os.pipe()
+        relay = threading.Thread(target=_copy, args=(read, fd), daemon=True)
+        relay.start()
+        relays.append(relay)
+        ends.append(write)
+        given.append(f"fd[{write}]{spec[spec.index(']') + 1:]}")
+    return given, relays, ends
+
+
+def _foreign_pipe(fd: int) -> bool:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return stat.S_ISFIFO(st.st_mode) and st.st_uid != os.geteuid()
+
+
+def _copy(read: int, fd: int) -> None:
+    """Everything that comes through ``read`` into ``fd``, until the last writer closes it
+    (what ``fd`` no longer takes is dropped, so that the tree never blocks on it)."""
+    while True:
+        try:
+            data = os.read(read, 1 << 16)
+        except InterruptedError:
+            continue
+        if not data:
+            os.close(read)
+            return
+        while data:
+            try:
+                data = data[os.write(fd, data):]
+            except InterruptedError:
+                continue
+            except OSError:
+                break
 
 
 def _default_signals() -> None:

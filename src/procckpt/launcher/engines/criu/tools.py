@@ -3,7 +3,12 @@
 Each problem is one line that says what to do: no ``criu`` on PATH, a CRIU too old for this
 kernel (Debian 12's 3.17 fails ``criu check`` on kernels from 6.13: "vdso: Unexpected rt vDSO
 area bounds"), one whose ``criu check`` fails for another reason, or a launcher that is not
-root (CRIU's ``--unprivileged`` mode, with file capabilities, is not used yet).
+root and a binary without the file capabilities of CRIU's ``--unprivileged`` mode.
+
+A launcher that is not root uses ``--unprivileged`` (Linux 5.9 or newer) when ``criu check
+--unprivileged`` passes: the binary carries ``cap_checkpoint_restore`` and ``cap_sys_ptrace``
+(and ``cap_setpcap`` where the bounding set is trimmed) as file capabilities, set once by an
+administrator (``setcap cap_checkpoint_restore,cap_sys_ptrace,cap_setpcap+eip criu``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ class CriuTools:
 
     criu: str
     version: tuple[int, ...]
+    #: Not root: CRIU runs with ``--unprivileged`` on the binary's file capabilities.
+    unprivileged: bool = False
+
+    @property
+    def options(self) -> list[str]:
+        """What every dump and restore adds to its command line."""
+        return ["--unprivileged"] if self.unprivileged else []
 
     @property
     def version_text(self) -> str:
@@ -101,22 +113,32 @@ def criu_usable(binary: str | None, *, euid: int | None = None,
         why = (f"{binary} is CRIU {found.group(1)}, which cannot image processes on kernels "
                f"from 6.13 (this one: {os.uname().release})")
         return None, CriuProblem(why, f"{why}: {_BUILD}")
-    if (os.geteuid() if euid is None else euid) != 0:
-        return None, CriuProblem(
-            "it needs root here",
-            "--engine criu needs root here (CRIU's --unprivileged mode with file capabilities "
-            "is not used by procckpt yet): run as root, or use --engine hooks")
+    unprivileged = (os.geteuid() if euid is None else euid) != 0
+    check = [binary, "check", *(["--unprivileged"] if unprivileged else [])]
     try:
-        check = subprocess.run([binary, "check"], capture_output=True, text=True,
-                               timeout=timeout)
+        checked = subprocess.run(check, capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.SubprocessError) as e:
-        why = f"`{binary} check` failed ({e})"
+        why = f"`{' '.join(check)}` failed ({e})"
         return None, CriuProblem(why, why)
-    if check.returncode != 0:
-        said = [line for line in (check.stdout + check.stderr).splitlines()
-                if "Error" in line] or (check.stdout + check.stderr).splitlines()[-1:]
-        why = (f"`{binary} check` fails on this machine "
-               f"({said[0].strip() if said else ''})")
+    if checked.returncode != 0:
+        said = _first_error(checked.stdout + checked.stderr)
+        why = f"`{' '.join(check)}` fails on this machine ({said})"
+        if unprivileged:
+            return None, CriuProblem(
+                f"not root, and {why}",
+                f"--engine criu as a user other than root needs CRIU's capabilities, and {why}: "
+                f"run as root, or have an administrator give the binary its capabilities "
+                f"(setcap cap_checkpoint_restore,cap_sys_ptrace,cap_setpcap+eip {binary}; "
+                "Linux 5.9 or newer), or use --engine hooks")
         return None, CriuProblem(why, f"{why}: CRIU {found.group(1)} cannot image processes "
                                       "here; use --engine hooks")
-    return CriuTools(binary, version), None
+    return CriuTools(binary, version, unprivileged), None
+
+
+def _first_error(output: str) -> str:
+    """The first line of CRIU's output that says what is wrong (its errors, else its first
+    line that is not a warning)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line]
+    said = errors or [line for line in lines if not line.startswith("Warn")] or lines
+    return said[0].rstrip(": ") if said else "no message"
