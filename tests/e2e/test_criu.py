@@ -20,6 +20,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import pytest
@@ -90,15 +91,30 @@ def _start(workdir: Path, ckpt: Path, out: Path, log: Path, *options: str,
 
 
 def _wait_for_image(proc: subprocess.Popen[str], ckpt: Path, log: Path) -> None:
+    """Until an image taken once the training stepped (its workers running: on a loaded
+    machine the first image may come before they started)."""
     deadline = time.monotonic() + 240
-    while not events(ckpt, "checkpoint"):
+    before: int | None = None
+    while True:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        if before is None and steps(log.read_text()):
+            before = len(events(ckpt, "checkpoint"))
+        if before is not None and len(events(ckpt, "checkpoint")) > before:
+            return
         time.sleep(0.1)
 
 
 def _command(ckpt: Path) -> psutil.Process:
+    """The training's main process (the one of worker_loop.py whose parent is not: its own
+    PID namespace's init, or the keeper)."""
+    def runs_the_loop(proc: psutil.Process) -> bool:
+        return proc.cmdline()[1:2] == LOOP[1:]  # (its DataLoader workers: forks of it)
+
     keeper = psutil.Process(events(ckpt, "cycle")[-1]["pid"])
-    return keeper.children()[0]
+    for proc in keeper.children(recursive=True):
+        if runs_the_loop(proc) and not runs_the_loop(proc.parent()):
+            return proc
+    raise AssertionError(f"no training below the keeper {keeper.pid}")
 
 
 @needs_criu
@@ -126,17 +142,24 @@ def test_a_killed_training_restores_from_its_periodic_image(workdir: Path):
 
 
 @needs_criu
-def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
+@pytest.mark.parametrize("namespace", [True, False], ids=["pid-namespace", "host-pids"])
+def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path, namespace: bool):
     """The launcher and its whole tree SIGKILLed after a periodic image, and the folders of
-    its workers' sockets in /tmp cleaned away (as a job's end or another node would). While
-    another process holds one of the image's pids, a new `procckpt run` says so in one line
-    and exits; once the pid is free, it restores the image, and the run ends bit-identical."""
+    its workers' sockets in /tmp cleaned away (as a job's end or another node would). Then
+    another process holds the pid the training had. In its own PID namespace (the default as
+    root) the image holds the namespace's pids, and a new `procckpt run` restores it at once.
+    With the host's pids (PROCCKPT_CRIU_PID_NAMESPACE=0), the new `procckpt run` says in one
+    line which pid is in the way and exits; once it is free, it restores the image. Each run
+    ends bit-identical."""
     expected = reference(workdir)
     out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
-    proc = _start(workdir, ckpt, out, log, "--interval", "4s")
+    env = {} if namespace else {"PROCCKPT_CRIU_PID_NAMESPACE": "0"}
+    with mock.patch.dict(os.environ, env):
+        proc = _start(workdir, ckpt, out, log, "--interval", "4s")
     try:
         _wait_for_image(proc, ckpt, log)
-        tree = [_command(ckpt), *_command(ckpt).children(recursive=True)]
+        training = _command(ckpt)
+        tree = psutil.Process(events(ckpt, "cycle")[-1]["pid"]).children(recursive=True)
         proc.kill()
         for p in tree:
             p.kill()
@@ -146,28 +169,34 @@ def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path):
         if proc.poll() is None:
             proc.kill()
     newest = CheckpointStore(ckpt).checkpoints()[0]
+    assert newest.manifest["criu"]["pid_namespace"] is namespace, newest.manifest["criu"]
     folders = newest.manifest["criu"]["socket_dirs"]
     assert folders, newest.manifest  # (the workers' multiprocessing listeners)
     for folder in folders:
         shutil.rmtree(folder, ignore_errors=True)
-    # The image's highest pid (one of its threads'): the kernel's next pid goes back only to
-    # there, so that no other process of the machine lands on the image's other pids.
+    # With the host's pids: the image's highest pid (one of its threads'), as the kernel's
+    # next pid goes back only to there, so that no other process of the machine lands on
+    # the image's other pids. In a namespace: the pid the training had on the host.
     pids = [int(name[5:-4]) for name in newest.manifest["files"]
             if name.startswith("core-") and name.endswith(".img")]
-    holder = _holding(max(pids))
+    holder = _holding(training.pid if namespace else max(pids))
     try:
-        refused = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
-                       *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir,
-                      timeout=120, env={"PROCCKPT_CRIU_PID_WAIT": "1"})
+        first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
+                     *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir,
+                    timeout=400, env={**env, "PROCCKPT_CRIU_PID_WAIT": "1"})
     finally:
         holder.kill()
         holder.wait()
-    said = [x for x in refused.stderr.splitlines() if "cannot restore" in x]
-    assert refused.returncode != 0 and len(said) == 1, refused.stderr[-3000:]
-    assert f"pid {holder.pid} is taken by `sleep 600`" in said[0], said
-    assert not steps(refused.stdout)  # nothing trained
-    again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
-                 *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir, timeout=400)
+    if namespace:
+        again = first
+    else:
+        said = [x for x in first.stderr.splitlines() if "cannot restore" in x]
+        assert first.returncode != 0 and len(said) == 1, first.stderr[-3000:]
+        assert f"pid {holder.pid} is taken by `sleep 600`" in said[0], said
+        assert not steps(first.stdout)  # nothing trained
+        again = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu", "--",
+                     *LOOP, "--step-sleep", "0.25", "--out", str(out)], cwd=workdir,
+                    timeout=400, env=env)
     assert again.returncode == 0, again.stderr[-4000:]
     assert "criu: restoring ckpt-" in again.stderr, again.stderr[-3000:]
     assert steps(again.stdout)[-1] == 96

@@ -1,17 +1,23 @@
 """The CRIU engine: images of the whole process tree of an unmodified command (DataLoader
 workers included), taken by CRIU and restored in place by the next cycle.
 
-    cycle 1      the command, behind the keeper as usual
+    cycle 1      python nsinit.py: the command in a PID namespace of its own, behind the keeper
     a request    criu dump -t ROOT --shell-job [--leave-running] -D ckpt-N/  (a thread)
     cycle n      python restore.py: criu restore --restore-detached --restore-sibling
                  --shell-job -D ckpt-N/ --inherit-fd fd[1]:<its stdout then> ...
 
-ROOT is the command (the keeper's child); a restored tree keeps its pids, so it is the same
-pid in every cycle. A periodic image (``--leave-running``) pauses the tree while it is
-written; a stop's image ends it (CRIU kills the tree once the image is complete). The images
-are written straight into a pending checkpoint of the store and committed like every
-checkpoint (sizes and CRC-32 in the manifest, one rename), so a dump cut short is never
-restored, and an image that does not restore gives way to the previous one.
+ROOT is the namespace's init (nsinit.py), whose pid, the host's, it writes to
+``criu/root.pid``: the pids inside the image are the namespace's, so a restore gets them back
+on any node (CRIU makes a new namespace for them). Where no namespace can be made (CRIU's
+``--unprivileged`` mode, or ``PROCCKPT_CRIU_PID_NAMESPACE=0``), the command runs with the
+host's pids and ROOT is the command itself (the keeper's child); a restore then needs those
+pids free, and says which one is not.
+
+A periodic image (``--leave-running``) pauses the tree while it is written; a stop's image ends
+it (CRIU kills the tree once the image is complete). The images are written straight into a
+pending checkpoint of the store and committed like every checkpoint (sizes and CRC-32 in the
+manifest, one rename), so a dump cut short is never restored, and an image that does not
+restore gives way to the previous one.
 """
 
 from __future__ import annotations
@@ -36,11 +42,14 @@ from .. import Confirmation, Engine
 from ..images import newest_image
 from .tools import CriuError, CriuTools
 
-__all__ = ["CriuEngine", "RESTORE_SCRIPT"]
+__all__ = ["CriuEngine", "ENV_PID_NAMESPACE", "NSINIT_SCRIPT", "RESTORE_SCRIPT"]
 
 logger = logging.getLogger(__name__)
 
 RESTORE_SCRIPT = str(Path(__file__).with_name("restore.py"))
+NSINIT_SCRIPT = str(Path(__file__).with_name("nsinit.py"))
+#: ``0`` runs the command with the host's pids (a script that reads ``/proc/<its pid>``).
+ENV_PID_NAMESPACE = "PROCCKPT_CRIU_PID_NAMESPACE"
 #: How long one dump may take: a base and a rate (the slowest disks seen write 20 MB/s).
 DUMP_BASE_S = 120.0
 DUMP_BYTES_PER_S = 20e6
@@ -64,6 +73,9 @@ class _Job:
 class _Cycle:
     token: str
     restored_from: CheckpointInfo | None
+    #: The command runs behind nsinit.py, which writes the root's pid once it made the
+    #: namespace (or runs the command in place where it cannot).
+    namespaced: bool = False
     keeper: int | None = None
     over: threading.Event = field(default_factory=threading.Event)
 
@@ -85,6 +97,9 @@ class CriuEngine(Engine):
         self._confirmed: Confirmation | None = None
         self._failed_images: set[str] = set()
         self._stuck: str | None = None
+        #: PID namespaces need CAP_SYS_ADMIN: root, not CRIU's --unprivileged mode.
+        self.namespaces = (not tools.unprivileged
+                           and os.environ.get(ENV_PID_NAMESPACE, "").strip() != "0")
 
     @property
     def stuck(self) -> str | None:
@@ -103,11 +118,17 @@ class CriuEngine(Engine):
         image = self._newest_image()
         self._cycle = _Cycle(token, image)
         if image is None:
-            logger.info("criu: running the command; CRIU %s images its whole process tree%s",
+            logger.info("criu: running the command%s; CRIU %s images its whole process tree%s",
+                        " in a PID namespace of its own" if self.namespaces else "",
                         self.tools.version_text, " (as this user: --unprivileged)"
                         if self.tools.unprivileged else "")
-            return list(argv), {}
-        taken = _pids_taken(image)
+            if not self.namespaces:
+                return list(argv), {}
+            self._cycle.namespaced = True
+            return [sys.executable, "-I", "-S", NSINIT_SCRIPT, str(self.work / "root.pid"),
+                    *argv], {}
+        namespaced = bool(image.manifest.get("criu", {}).get("pid_namespace"))
+        taken = None if namespaced else _pids_taken(image)
         if taken is not None:
             raise CriuError(f"cannot restore {image.name} here: {taken}, and a restored process "
                             "keeps its pid; run where the image's pids are free (the node it "
@@ -126,8 +147,9 @@ class CriuEngine(Engine):
         inherit = []
         for fd, resource in _handed_over(image).items():
             inherit.append(f"fd[{fd}]:{resource}")
+        options = [*self.tools.options, *(["--pid-namespace"] if namespaced else [])]
         return [sys.executable, "-I", "-S", RESTORE_SCRIPT, self.tools.criu, str(image.path),
-                str(self.work), *self.tools.options, *inherit], {}
+                str(self.work), *options, *inherit], {}
 
     def child_started(self, pid: int) -> None:
         if self._cycle is not None:
@@ -207,14 +229,19 @@ class CriuEngine(Engine):
         cycle = self._cycle
         if cycle is None or cycle.keeper is None or cycle.over.is_set():
             return None
-        if cycle.restored_from is not None:
+        if cycle.restored_from is not None or cycle.namespaced:
             try:
                 root = int((self.work / "root.pid").read_text())
             except (OSError, ValueError):
+                root = None
+            if root is not None:
+                return root if psutil.pid_exists(root) else None
+            if cycle.restored_from is not None:
                 return None
-            return root if psutil.pid_exists(root) else None
         try:
             children = psutil.Process(cycle.keeper).children()
+            if cycle.namespaced and children and NSINIT_SCRIPT in children[0].cmdline():
+                return None  # the namespace is being made: no root yet
         except psutil.Error:
             return None
         return children[0].pid if children else None
@@ -249,6 +276,7 @@ class CriuEngine(Engine):
             "restored_from": cycle.restored_from.name if cycle and cycle.restored_from
             else None, "job_id": os.environ.get("SLURM_JOB_ID"),
             "criu": {"version": self.tools.version_text, "root": root,
+                     "pid_namespace": _leads_a_pid_namespace(root),
                      "fds": _open_resources(root), "socket_dirs": _socket_dirs(tree)},
         }
         try:
@@ -314,6 +342,20 @@ def _open_resources(root: int) -> dict[str, str]:
 #: $PROCCKPT_CRIU_PID_WAIT seconds where set.
 PID_WAIT_S = 10.0
 ENV_PID_WAIT = "PROCCKPT_CRIU_PID_WAIT"
+
+
+def _leads_a_pid_namespace(pid: int) -> bool:
+    """Whether ``pid`` is the init of a PID namespace below this one (its NSpid line ends in
+    1): its image then holds the namespace's pids, not the host's."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    ids = line.split()[1:]
+                    return len(ids) > 1 and ids[-1] == "1"
+    except OSError:
+        pass
+    return False
 
 
 def _pids_taken(image: CheckpointInfo, wait: float | None = None) -> str | None:

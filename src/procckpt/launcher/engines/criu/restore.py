@@ -1,5 +1,6 @@
 """A CRIU image restored as a cycle's command: ``python -I -S restore.py CRIU IMAGES WORK
-[--unprivileged] [fd[N]:RESOURCE ...]``, started behind the keeper like any command.
+[--unprivileged] [--pid-namespace] [fd[N]:RESOURCE ...]``, started behind the keeper like any
+command.
 
 ``criu restore`` on its own waits for the tree it restored but exits 0 whatever became of it,
 so the launcher would take a crash for a finished run. So this process makes itself a child
@@ -7,6 +8,11 @@ subreaper and restores detached, the tree's root as its own child (``--restore-s
 in its own session and process group (``--shell-job``: those of this process, the keeper's,
 so that the launcher's signals to the group reach the tree as they reached the original).
 Then it waits for the root and exits as the root did: the same code, or the same signal.
+
+An image of a PID namespace (``--pid-namespace``: its root is nsinit.py's init, which leads a
+session of its own) gets a new namespace from CRIU, and the signals to the keeper's group
+reach this process alone: it passes them to the root, as nsinit.py did, and takes the root's
+128+N for signal N.
 
 Each ``fd[N]:RESOURCE`` hands this process's fd N to the restored processes in place of the
 file or pipe they had open as RESOURCE (their stdout and stderr: a log that grew since the
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import stat
 import subprocess
@@ -50,7 +57,8 @@ def _last_error(log: str) -> str:
 
 def main(argv: list[str]) -> int:
     criu, images, work, *rest = argv
-    options = [arg for arg in rest if arg.startswith("--")]  # --unprivileged
+    namespace = "--pid-namespace" in rest
+    options = [arg for arg in rest if arg.startswith("--") and arg != "--pid-namespace"]
     inherit, relays, ends = _handed(
         [arg for arg in rest if not arg.startswith("--")], "--unprivileged" in options)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -73,6 +81,10 @@ def main(argv: list[str]) -> int:
         return RESTORE_FAILED
     with open(pidfile) as f:
         root = int(f.read())
+    if namespace:
+        for name in _THE_TREES:
+            if name != "SIGPIPE":
+                signal.signal(getattr(signal, name), lambda signum, _: _pass(root, signum))
     while True:
         try:
             pid, status = os.waitpid(-1, 0)
@@ -84,12 +96,22 @@ def main(argv: list[str]) -> int:
             continue  # an orphan of the tree, reaped
         for relay in relays:
             relay.join(timeout=5.0)  # what the root wrote last
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
+        code = os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
+        if os.WIFSIGNALED(status) or (namespace and 128 < code < 128 + signal.NSIG):
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else code - 128
             if sig != signal.SIGKILL:
                 signal.signal(sig, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the tree's, not a core
             os.kill(os.getpid(), sig)
-        return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
+        return code
+
+
+def _pass(root: int, signum: int) -> None:
+    try:
+        os.kill(root, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _handed(specs: list[str], unprivileged: bool,
