@@ -5,10 +5,12 @@ ends the run in one line). The dump itself is a seam here; tests/e2e/test_criu.p
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from procckpt.launcher.engines import Confirmation
@@ -75,3 +77,37 @@ def test_no_image_while_nothing_runs_is_not_stuck(tmp_path: Path):
     c = _confirmed(engine, engine.request("checkpoint", "interval"))
     assert c.checkpoint is None and c.error == "the command is not running"
     assert engine.stuck is None
+
+
+def test_a_dump_cut_short_by_a_crash_in_the_tree_does_not_make_the_engine_stuck(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The OOM killer takes a process of the tree while CRIU dumps it: the image fails, but
+    the command is no less imageable (its restart must go on from the last image), so the
+    engine is not stuck. The dump is real code here, with a stand-in for criu that does what
+    the kernel did: a process of the tree killed, CRIU's error (as seen in CI), exit 1."""
+    monkeypatch.setenv("PROCCKPT_CRIU_PID_NAMESPACE", "0")
+    criu = tmp_path / "criu"
+    criu.write_text("#!/bin/sh\n"
+                    "while [ \"$1\" != -t ]; do shift; done; root=$2\n"
+                    "while [ \"$1\" != -W ]; do shift; done; work=$2\n"
+                    "pkill -KILL -P \"$root\"; sleep 0.2\n"
+                    "echo 'Error (criu/parasite-syscall.c:87): si_code=2 si_pid=1 si_status=9' "
+                    "> \"$work/dump.log\"\nexit 1\n")
+    criu.chmod(0o755)
+    keeper = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & wait' & wait"])
+    try:
+        engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools(str(criu),
+                                                                                  (4, 2)))
+        engine.start_cycle(["python", "train.py"], "token")
+        engine.child_started(keeper.pid)
+        deadline = time.monotonic() + 10
+        while not psutil.Process(keeper.pid).children(recursive=True)[1:]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        c = _confirmed(engine, engine.request("checkpoint", "interval"))
+        assert c.checkpoint is None and c.error is not None
+        assert c.error.startswith("pid ") and "ended during the image" in c.error, c.error
+        assert engine.stuck is None
+    finally:
+        keeper.kill()
+        keeper.wait()

@@ -291,7 +291,12 @@ class CriuEngine(Engine):
                                       timeout=DUMP_BASE_S + nbytes / DUMP_BYTES_PER_S)
                 job.dumped = done.returncode == 0
                 if done.returncode != 0:
-                    raise CriuError(f"{_DUMP_FAILED}{_last_error(self.work / 'dump.log')}")
+                    failed = f"{_DUMP_FAILED}{_last_error(self.work / 'dump.log')}"
+                    gone = [proc.pid for proc in tree if not _alive(proc)]
+                    if gone:  # a crash (an OOM kill) during the dump: no fault of the image
+                        raise CriuError(f"pid {gone[0]} of the tree ended during the image "
+                                        f"({failed})")
+                    raise CriuError(failed)
                 dumped = time.monotonic() - started
                 for name in sorted(os.listdir(pending.path)):
                     if stat.S_ISREG(os.lstat(pending.path / name).st_mode):
@@ -308,6 +313,13 @@ class CriuEngine(Engine):
                      bytes=info.nbytes, seconds=round(seconds, 3), write_seconds=round(dumped, 3),
                      pause=round(dumped, 3), reason=job.reason, engine=self.name)
         return Confirmation(info.name, None, job.stop, job.seq, number=info.seq)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _tree(root: int) -> list[psutil.Process]:
