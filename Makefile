@@ -3,6 +3,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+#: `make test` runs this many tests at a time (most end-to-end tests wait rather than compute).
+TEST_JOBS ?= 4
 
 .PHONY: demo test test-quick unit lint bench gpu-check venv clean
 
@@ -18,7 +20,7 @@ demo: venv
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash examples/demo.sh
 
 test: venv lint
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest $(PYTEST_ARGS) tests
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -n $(TEST_JOBS) --dist loadgroup $(PYTEST_ARGS) tests
 
 # One end-to-end test of each capability (tests/quick.txt), with the unit tests: a few
 # minutes, for a contributor who changed one thing (tests/README.md).
