@@ -74,3 +74,25 @@ def test_without_the_privilege_the_command_runs_in_place(tmp_path: Path):
     assert int(pid) == proc.pid  # setpriv exec'd nsinit, which exec'd the command
     time.sleep(0.1)
     assert not (tmp_path / "root.pid").exists()
+
+
+def test_a_daemon_the_command_left_is_named_and_ends_with_the_namespace(tmp_path: Path):
+    proc = subprocess.Popen([sys.executable, "-I", "-S", NSINIT_SCRIPT, str(tmp_path / "root.pid"),
+                             "sh", "-c", "setsid sleep 600 & sleep 0.5; exit 0"], text=True,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    (line,) = [x for x in err.splitlines() if "left 1 process running" in x]
+    assert "killed now: pid " in line and "(sleep 600)" in line, line
+    pid = int(line.split("killed now: pid ", 1)[1].split()[0])
+    deadline = time.monotonic() + 10
+    while _runs_sleep(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _runs_sleep(pid), "the daemon outlived its namespace"
+
+
+def _runs_sleep(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"sleep")
+    except OSError:
+        return False

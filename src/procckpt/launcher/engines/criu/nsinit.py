@@ -13,7 +13,8 @@ the signals the launcher sends to the keeper's process group reach this process,
 passes them to init, which passes them to COMMAND's group, as they reached it without the
 namespace. Init reaps what is orphaned in the namespace and exits as COMMAND did: its code, or
 128+N for signal N (pid 1 cannot die of its own signal), which this process turns back into
-the signal. This process writes init's pid (the host's) to ROOT_PID_FILE: the root of the
+the signal. What COMMAND left running ends with init (the kernel kills the namespace), named
+in one line first. This process writes init's pid (the host's) to ROOT_PID_FILE: the root of the
 images.
 
 Where the namespace cannot be made (no CAP_SYS_ADMIN), COMMAND is exec'd in place, with the
@@ -88,9 +89,36 @@ def _init(command: list[str]) -> int:
         except ChildProcessError:
             return 0
         if pid == child:
+            _say_left_behind()
             if os.WIFSIGNALED(status):
                 return 128 + os.WTERMSIG(status)
             return os.waitstatus_to_exitcode(status)
+
+
+def _say_left_behind() -> None:
+    """Name what the command left running (a daemon of its own), which ends with this init,
+    as the keeper names what a command left without a namespace. /proc is the host's here:
+    the processes are found by this init's host pid, and named by theirs."""
+    try:
+        with open("/proc/self/status") as f:
+            me = next(int(line.split()[1]) for line in f if line.startswith("NSpid:"))
+        with open(f"/proc/{me}/task/{me}/children") as f:
+            left = [int(pid) for pid in f.read().split()]
+    except (OSError, StopIteration, ValueError):
+        return
+    named = []
+    for pid in left[:5]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            command = ""
+        named.append(f"pid {pid} ({command[:80] or '?'})")
+    if named:
+        more = f" and {len(left) - 5} more" if len(left) > 5 else ""
+        print(f"procckpt: the command exited and left {len(left)} process"
+              f"{'es' if len(left) > 1 else ''} running, killed now: {', '.join(named)}{more}",
+              file=sys.stderr, flush=True)
 
 
 def _pass_signals_to(target: int) -> None:
