@@ -46,6 +46,7 @@ class Cycle:
     node_lost_at: float | None = None  # from then the scheduler calls node n2 lost
     no_image: bool = False  # a stop is answered at once with no checkpoint; it runs on
     noted: int | None = None  # procckpt ended a rank with this code (its note; exits.py)
+    writing: bool = False  # the engine says the stop's image is being written until confirmed
 
 
 @dataclass
@@ -174,6 +175,9 @@ class FakeEngine(Engine):
         w = self.world
         return w.cycle.confirm_after is not None and w.elapsed() >= w.cycle.connects_at
 
+    def writing(self, seq: int) -> bool:
+        return self.world.cycle.writing and self._confirmation() is None
+
     def end_cycle(self) -> Confirmation | None:
         return self._confirmation()
 
@@ -281,6 +285,18 @@ def test_no_confirmation_within_the_grace_stops_and_three_such_cycles_give_up(tm
     assert result.cycles == 3
     assert world.killed_with.count(signal.SIGKILL) == 3  # TERM ignored: bounded, then KILL
     assert journal(world).count("unconfirmed") == 3
+
+
+def test_a_stop_whose_image_is_still_being_written_past_the_lead_waits_for_it(tmp_path: Path):
+    """An image engine under load: the stop's image (asked at 90 s) is written until 115 s,
+    past the lead. Stopping the command at 100 s would cut it short and leave no image (a
+    SIGKILL pending in CRIU's image of the tree, seen here); the launcher waits for it."""
+    world, result, _ = supervise(tmp_path, [Cycle(confirm_after=25, writing=True, step=10),
+                                            Cycle(exits_at=30, completes=True)])
+    assert result.reason is ExitReason.FINISHED and result.exit_code == 0, result.message
+    assert "unconfirmed" not in journal(world)
+    assert world.killed_with == [] and world.stopped_at == []
+    assert [round(t) for t, action, _ in world.requests if action == "stop"] == [90]
 
 
 @pytest.mark.parametrize("grace", [10.0, 30.0])

@@ -35,7 +35,8 @@ from ..harness.processes import events
 # One worker runs the module, one test at a time: an image with the host's pids (the
 # unprivileged test's, the host-pids test's) restores only where they are free, and the pid
 # test below moves the kernel's next pid back, among the pids of any image taken beside it.
-# (The unprivileged test failed once with the module on two workers; it passed alone.)
+# And two trees of 670 MB dumped at once on two cores took 8 s an image (the unprivileged
+# test's deadline image outlasted its 5-s grace; the launcher now waits for it).
 pytestmark = pytest.mark.xdist_group("criu")
 
 LOOP = [PYTHON, str(PROGRAMS / "worker_loop.py")]

@@ -57,6 +57,8 @@ class _Stop:
     asked_at: float
     give_up_at: float  # no confirmation by then: the command is stopped anyway
     exit_by: float | None = None  # once confirmed: the command has until then to exit (or run)
+    #: Past give_up_at, the engine's image was still being written: waited for, not cut.
+    waiting_for_image: bool = False
 
 
 @dataclass
@@ -137,7 +139,8 @@ class CycleWatch:
     def _next_wake(self, now: float, trigger_at: float | None) -> float:
         """Seconds until the loop has something to do, if no signal comes first."""
         moments = [self.next_interval,
-                   trigger_at if self.stop is None else self.stop.give_up_at]
+                   trigger_at if self.stop is None
+                   else None if self.stop.waiting_for_image else self.stop.give_up_at]
         return min([TICK] + [max(0.0, t - now) for t in moments if t is not None])
 
     def _on_signal(self, signum: int, now: float) -> None:
@@ -310,6 +313,13 @@ class CycleWatch:
             outcome.confirmed = self.engine.confirmation(stop.seq)
             if outcome.confirmed is None:
                 if now < stop.give_up_at:
+                    return None
+                if self.engine.writing(stop.seq):
+                    if not stop.waiting_for_image:
+                        stop.waiting_for_image = True
+                        logger.warning("the stop's image is still being written after %s; "
+                                       "waiting for it (stopping the command now would leave "
+                                       "no image)", format_duration(now - stop.asked_at))
                     return None
                 logger.warning("no checkpoint confirmed within %s%s; stopping the command",
                                format_duration(stop.give_up_at - stop.asked_at),

@@ -90,6 +90,12 @@ class Engine:
         tell (then the command's exit code is taken for procckpt's where it is one of its)."""
         return []
 
+    def writing(self, seq: int) -> bool:
+        """Whether the image request ``seq`` asked for is being written now (or waits for the
+        one before it). Stopping the command then would cut the image short and leave none,
+        so a stop waits for it past its lead: the engine bounds the write itself."""
+        return False
+
     @property
     def stuck(self) -> str | None:
         """Why no snapshot of this command will ever complete (a failure that repeats), once

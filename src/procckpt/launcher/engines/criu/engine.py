@@ -155,6 +155,13 @@ class CriuEngine(Engine):
         if self._cycle is not None:
             self._cycle.keeper = pid
 
+    def writing(self, seq: int) -> bool:
+        # (a dump is bounded by its timeout, DUMP_BASE_S and the bytes at DUMP_BYTES_PER_S,
+        # after which it is answered with its error)
+        with self._lock:
+            job = self._job
+            return job is not None and job.seq == seq and not job.answered
+
     def connected(self) -> bool:
         return self._root() is not None
 
