@@ -74,24 +74,30 @@ def _descendants(root: int) -> list[int]:
 def _say_left_behind() -> None:
     """Name the processes the command left running (a daemon, a server it started), which
     are killed next: a run must not end with work silently cut short."""
-    below = _descendants(os.getpid())
-    if not below:
-        return
+    said = left_behind(_descendants(os.getpid()))
+    if said is not None:
+        try:
+            os.write(2, f"{said}\n".encode())
+        except OSError:
+            pass
+
+
+def left_behind(pids: list[int]) -> str | None:
+    """The line that names the processes ``pids`` (the host's) the command left running;
+    None for none. (Also the CRIU engine's nsinit.py, for what it ends with its namespace.)"""
+    if not pids:
+        return None
     named = []
-    for pid in below[:5]:
+    for pid in pids[:5]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
         except OSError:
             command = "?"
         named.append(f"pid {pid} ({command[:80] or '?'})")
-    more = f" and {len(below) - 5} more" if len(below) > 5 else ""
-    try:
-        os.write(2, (f"procckpt: the command exited and left {len(below)} process"
-                     f"{'es' if len(below) > 1 else ''} running, killed now: "
-                     f"{', '.join(named)}{more}\n").encode())
-    except OSError:
-        pass
+    more = f" and {len(pids) - 5} more" if len(pids) > 5 else ""
+    return (f"procckpt: the command exited and left {len(pids)} process"
+            f"{'es' if len(pids) > 1 else ''} running, killed now: {', '.join(named)}{more}")
 
 
 def _kill_all_below() -> None:

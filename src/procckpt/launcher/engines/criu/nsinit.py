@@ -27,10 +27,12 @@ host's, so a script that reads ``/proc/<its pid>`` reads another process there
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import resource
 import signal
 import sys
+from typing import Any
 
 _CLONE_NEWPID = 0x20000000
 _PR_SET_PDEATHSIG = 1
@@ -106,19 +108,19 @@ def _say_left_behind() -> None:
             left = [int(pid) for pid in f.read().split()]
     except (OSError, StopIteration, ValueError):
         return
-    named = []
-    for pid in left[:5]:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-        except OSError:
-            command = ""
-        named.append(f"pid {pid} ({command[:80] or '?'})")
-    if named:
-        more = f" and {len(left) - 5} more" if len(left) > 5 else ""
-        print(f"procckpt: the command exited and left {len(left)} process"
-              f"{'es' if len(left) > 1 else ''} running, killed now: {', '.join(named)}{more}",
-              file=sys.stderr, flush=True)
+    said = _keeper().left_behind(left)
+    if said is not None:
+        print(said, file=sys.stderr, flush=True)
+
+
+def _keeper() -> Any:
+    """keeper.py, two folders up (this script runs isolated: ``-I``, nothing on its path)."""
+    spec = importlib.util.spec_from_file_location(
+        "procckpt_keeper", os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _pass_signals_to(target: int) -> None:
