@@ -306,6 +306,24 @@ def test_a_copy_that_lives_marks_the_run_as_one_dmtcp_cannot_checkpoint(family, 
             if e["event"] == "forked-copy"] == copy
 
 
+def test_a_copy_held_by_a_checkpoint_under_way_does_not_count(family, tmp_path: Path):
+    """DMTCP suspends a child between its fork and its exec for a checkpoint (a stalled one
+    for 15 s): it reads as a lasting copy then, and must not end the run (a CI failure)."""
+    from procckpt.launcher.engines.dmtcp.forks import LASTING_S, CopyWatch, StuckImages
+
+    keeper = family(program=False)
+    time.sleep(LASTING_S)
+    watch, done, stuck = CopyWatch(), threading.Event(), StuckImages(tmp_path / "events.jsonl")
+    done.set()  # one sample, then back
+    with watch.checkpointing():
+        watch.watch(keeper, restored=False, over=done, stuck=stuck)
+        assert watch.seen is None and stuck.message is None
+    assert watch.sample(keeper) is None  # only just ended
+    time.sleep(LASTING_S + 0.1)
+    copy = [pid for pid, is_copy, _ in forks.command_processes(keeper) if is_copy]
+    assert watch.sample(keeper) == copy[0] == watch.seen
+
+
 def test_no_image_is_taken_of_a_command_with_a_copy_that_lived(engine: DmtcpEngine, family):
     engine.copies.seen = 1234  # what CopyWatch found
     refused = take(engine, family(program=False), images=1)

@@ -323,7 +323,8 @@ class DmtcpEngine(Engine):
         if self.copies.seen is not None:  # no image of it is kept: none taken, it runs on
             return Confirmation(None, None, False, job.seq, "it runs forked copies of itself")
         try:
-            written = self._take_images(cycle, job)
+            with self.copies.checkpointing():
+                written = self._take_images(cycle, job)
             if written is None:
                 return Confirmation(None, None, job.stop, job.seq, "DMTCP wrote no complete image")
             names, write_seconds = written

@@ -15,11 +15,13 @@ a worker (a CI run, and by hand). So no image of a command with a lasting forked
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from ....protocol.events import append_event
@@ -99,13 +101,33 @@ class CopyWatch:
     worker alive aborted after its restore, in a CI run and by hand (a tensor received from a
     worker keeps the file descriptor of its shared memory, which is gone: torch's
     MapAllocator::close fails, SIGABRT). A copy counts once it is :data:`LASTING_S` old, so
-    that a child between its fork and its exec never does."""
+    that a child between its fork and its exec never does, and not while a checkpoint is
+    under way or in the :data:`LASTING_S` after it (:meth:`checkpointing`)."""
 
     def __init__(self) -> None:
         #: The pid of the first lasting copy seen in this run; None while there is none.
         self.seen: int | None = None
         self._restored: set[int] = set()
         self._first = True
+        self._lock = threading.Lock()
+        self._checkpoints = 0
+        self._checkpoint_ended = float("-inf")
+
+    @contextlib.contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Around a checkpoint. DMTCP suspends every process of the command for it, a child
+        between its fork and its exec too (``subprocess.run``): that one then reads as a copy
+        for as long as the checkpoint takes, which may be a stall of :data:`STALL_S` (a CI
+        run ended so for a script that runs ``true`` every 25 steps). So no copy counts until
+        :data:`LASTING_S` after the checkpoint ended."""
+        with self._lock:
+            self._checkpoints += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._checkpoints -= 1
+                self._checkpoint_ended = time.monotonic()
 
     def watch(self, root: int, restored: bool, over: threading.Event,
               stuck: StuckImages) -> None:
@@ -125,6 +147,10 @@ class CopyWatch:
         copies = {pid for pid, copy, _ in command_processes(root) if copy}
         if self._first:
             self._restored, self._first = copies, False
+        with self._lock:
+            if (self._checkpoints
+                    or time.monotonic() - self._checkpoint_ended < LASTING_S):
+                return None
         lasting = [pid for pid in copies - self._restored if _age(pid) >= LASTING_S]
         if not lasting or self.seen is not None:
             return None
