@@ -134,17 +134,24 @@ def _reap(block_for: float = 0.0) -> list[tuple[int, int]]:
 def _exit_like(status: int) -> None:
     """End the keeper the way the command ended: its exit code, or its signal."""
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
+        os._exit(die_of(os.WTERMSIG(status)))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def die_of(signum: int) -> int:
+    """End this process by ``signum``, as the process it stands in for ended: the signal's
+    default action, with no core of this process's own. Returns 128+``signum`` for a signal
+    whose default action does not end a process (the caller exits with it). The CRIU
+    engine's nsinit.py and restore.py end so too, loading this file by path."""
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
         try:
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the keeper's core is no use
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+            signal.signal(signum, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
         except (OSError, ValueError):
             pass
-        os.kill(os.getpid(), sig)
-        os._exit(128 + sig)  # a signal whose default action is not to terminate
-    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    os.kill(os.getpid(), signum)
+    return 128 + signum
 
 
 def main(argv: list[str]) -> None:

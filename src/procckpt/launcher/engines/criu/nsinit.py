@@ -29,7 +29,6 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
-import resource
 import signal
 import sys
 from typing import Any
@@ -137,14 +136,7 @@ def _pass_signals_to(target: int) -> None:
 
 def _die_of(signum: int) -> int:
     """End this process by ``signum`` as the command ended (its exit status, for the keeper)."""
-    for name in _PASSED:
-        signal.signal(getattr(signal, name), signal.SIG_DFL)
-    if signum not in (signal.SIGKILL, signal.SIGSTOP):
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the command's core, not this one's
-        signal.signal(signum, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
-    os.kill(os.getpid(), signum)
-    return 128 + signum  # a signal whose default action is not to end a process
+    return int(_keeper().die_of(signum))
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ falls back to the previous image.
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
-import resource
 import signal
 import stat
 import subprocess
 import sys
 import threading
+from typing import Any
 
 _PR_SET_CHILD_SUBREAPER = 36
 #: Exit code when CRIU could not restore the image (EX_TEMPFAIL).
@@ -98,13 +99,19 @@ def main(argv: list[str]) -> int:
             relay.join(timeout=5.0)  # what the root wrote last
         code = os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
         if os.WIFSIGNALED(status) or (namespace and 128 < code < 128 + signal.NSIG):
-            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else code - 128
-            if sig != signal.SIGKILL:
-                signal.signal(sig, signal.SIG_DFL)
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
-                resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # the tree's, not a core
-            os.kill(os.getpid(), sig)
+            return int(_keeper().die_of(os.WTERMSIG(status) if os.WIFSIGNALED(status)
+                                        else code - 128))
         return code
+
+
+def _keeper() -> Any:
+    """keeper.py, two folders up (this script runs isolated: ``-I``, nothing on its path)."""
+    spec = importlib.util.spec_from_file_location(
+        "procckpt_keeper", os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _pass(root: int, signum: int) -> None:
