@@ -53,6 +53,10 @@ ENV_PID_NAMESPACE = "PROCCKPT_CRIU_PID_NAMESPACE"
 #: How long one dump may take: a base and a rate (the slowest disks seen write 20 MB/s).
 DUMP_BASE_S = 120.0
 DUMP_BYTES_PER_S = 20e6
+#: A stop's dump that met a process of the tree ending is taken again after this long, up
+#: to DUMP_TRIES times in all (see CriuEngine._dump).
+SETTLE_S = 0.3
+DUMP_TRIES = 3
 #: How a failed dump's error begins (the rest is CRIU's first error line).
 _DUMP_FAILED = "criu dump failed: "
 #: The fds of the command handed over at a restore (its stdout and stderr).
@@ -271,7 +275,28 @@ class CriuEngine(Engine):
                 logger.warning("criu: could not delete old images: %s", e)
 
     def _dump(self, job: _Job) -> Confirmation:
-        """Take and commit one image; its confirmation (with the error if it failed)."""
+        """Take and commit one image; its confirmation (with the error if it failed).
+
+        CRIU refuses a tree in which a process ends while it is seized ("Zombies with threads
+        are not supported": a DataLoader worker exiting at the end of an epoch, in a CI run).
+        A stop's image is taken again once the tree has settled, up to :data:`DUMP_TRIES`
+        times in all, while the command runs: without it the work since the last image is
+        lost. A periodic one is not: the next one comes soon, and a tree whose worker was
+        killed (an OOM kill) would fail on every restore of it.
+        """
+        for attempt in range(1, DUMP_TRIES + 1):
+            try:
+                return self._dump_once(job)
+            except _TreeChanged as e:
+                cycle = self._cycle
+                if (not job.stop or attempt == DUMP_TRIES or cycle is None
+                        or cycle.over.wait(SETTLE_S) or self._root() is None):
+                    logger.error("criu: image failed: %s", e)
+                    return Confirmation(None, None, job.stop, job.seq, str(e))
+                logger.warning("criu: image failed: %s; taking it again", e)
+        raise AssertionError("unreachable")
+
+    def _dump_once(self, job: _Job) -> Confirmation:
         root = self._root()
         if root is None:
             return Confirmation(None, None, job.stop, job.seq, "the command is not running")
@@ -300,15 +325,17 @@ class CriuEngine(Engine):
                 if done.returncode != 0:
                     failed = f"{_DUMP_FAILED}{_last_error(self.work / 'dump.log')}"
                     gone = [proc.pid for proc in tree if not _alive(proc)]
-                    if gone:  # a crash (an OOM kill) during the dump: no fault of the image
-                        raise CriuError(f"pid {gone[0]} of the tree ended during the image "
-                                        f"({failed})")
+                    if gone:  # a worker's exit, or a crash (an OOM kill), during the dump
+                        raise _TreeChanged(f"pid {gone[0]} of the tree ended during the "
+                                           f"image ({failed})")
                     raise CriuError(failed)
                 dumped = time.monotonic() - started
                 for name in sorted(os.listdir(pending.path)):
                     if stat.S_ISREG(os.lstat(pending.path / name).st_mode):
                         pending.add_file(name)
                 info = pending.commit()
+        except _TreeChanged:
+            raise
         except Exception as e:  # a failed image must not kill the supervisor
             logger.error("criu: image failed: %s", e)
             return Confirmation(None, None, job.stop, job.seq, str(e))
@@ -320,6 +347,10 @@ class CriuEngine(Engine):
                      bytes=info.nbytes, seconds=round(seconds, 3), write_seconds=round(dumped, 3),
                      pause=round(dumped, 3), reason=job.reason, engine=self.name)
         return Confirmation(info.name, None, job.stop, job.seq, number=info.seq)
+
+
+class _TreeChanged(CriuError):
+    """A process of the tree ended while CRIU imaged it: no fault of the image."""
 
 
 def _alive(proc: psutil.Process) -> bool:
