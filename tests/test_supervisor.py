@@ -47,6 +47,7 @@ class Cycle:
     no_image: bool = False  # a stop is answered at once with no checkpoint; it runs on
     noted: int | None = None  # procckpt ended a rank with this code (its note; exits.py)
     writing: bool = False  # the engine says the stop's image is being written until confirmed
+    image_fails: str | None = None  # the stop's image fails with this error (then it exits)
 
 
 @dataclass
@@ -160,6 +161,8 @@ class FakeEngine(Engine):
             return None
         if w.cycle.no_image:  # as the DMTCP engine answers once it saw a forked copy
             return Confirmation(None, None, False, self.seq, "it runs forked copies of itself")
+        if w.cycle.image_fails:
+            return Confirmation(None, None, True, self.seq, w.cycle.image_fails)
         return Confirmation(f"ckpt-{w.index + 1:08d}", w.cycle.step, True, self.seq)
 
     @property
@@ -297,6 +300,17 @@ def test_a_stop_whose_image_is_still_being_written_past_the_lead_waits_for_it(tm
     assert "unconfirmed" not in journal(world)
     assert world.killed_with == [] and world.stopped_at == []
     assert [round(t) for t, action, _ in world.requests if action == "stop"] == [90]
+
+
+def test_a_stop_whose_image_failed_says_so_in_its_last_line(tmp_path: Path):
+    """An image engine's stop image failed (CRIU met a process ending): the run's last line
+    gives the failure, not that the command reached no safe point, which it never has to."""
+    error = "criu dump failed: Error (criu/seize.c:882): Zombies with threads are not supported"
+    _, result, _ = supervise(tmp_path, [Cycle(image_fails=error)], max_restarts=0)
+    assert result.exit_code != 0
+    assert (f"the checkpoint after its time limit was near failed ({error}), so the work since "
+            "the last checkpoint is lost") in result.message, result.message
+    assert "safe point" not in result.message
 
 
 @pytest.mark.parametrize("grace", [10.0, 30.0])

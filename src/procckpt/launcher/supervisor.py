@@ -212,9 +212,14 @@ class Supervisor(RunLoop):
         """The run's end, in words, with the exit code of decide.py's table."""
         reason = step.reason
         assert reason is not None
-        unsaved = (f"no checkpoint was taken after {outcome.stop_text}: the command reached no "
-                   "safe point before it was stopped, so the work since the last checkpoint "
-                   "is lost; ")
+        failed = outcome.confirmed
+        if failed is not None and failed.checkpoint is None and failed.error:
+            unsaved = (f"the checkpoint after {outcome.stop_text} failed ({failed.error}), so "
+                       "the work since the last checkpoint is lost; ")
+        else:
+            unsaved = (f"no checkpoint was taken after {outcome.stop_text}: the command "
+                       "reached no safe point before it was stopped, so the work since the "
+                       "last checkpoint is lost; ")
         if step.why == "engine-stuck":
             message = (f"{self.engine.stuck}. Running the same command again "
                        f"{resumes_from(self.store)}")
