@@ -79,77 +79,72 @@ def test_no_image_while_nothing_runs_is_not_stuck(tmp_path: Path):
     assert engine.stuck is None
 
 
-def test_a_dump_cut_short_by_a_crash_in_the_tree_does_not_make_the_engine_stuck(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.fixture
+def stand_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A function of a stand-in criu's script (after the lines that find ROOT, IMAGES and
+    WORK in its arguments) and a shell TREE: the engine that uses that criu, with TREE
+    started behind a keeper (host pids) and its ``processes`` below the keeper running."""
+    monkeypatch.setenv("PROCCKPT_CRIU_PID_NAMESPACE", "0")
+    keepers: list[subprocess.Popen[bytes]] = []
+
+    def start(script: str, tree: str, processes: int) -> CriuEngine:
+        criu = tmp_path / "criu"
+        criu.write_text("#!/bin/sh\n"
+                        "while [ \"$1\" != -t ]; do shift; done; root=$2\n"
+                        "while [ \"$1\" != -D ]; do shift; done; images=$2\n"
+                        "while [ \"$1\" != -W ]; do shift; done; work=$2\n" + script)
+        criu.chmod(0o755)
+        keeper = subprocess.Popen(["sh", "-c", f"sh -c '{tree}' & wait"])
+        keepers.append(keeper)
+        engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(),
+                            CriuTools(str(criu), (4, 2)))
+        engine.start_cycle(["python", "train.py"], "token")
+        engine.child_started(keeper.pid)
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(keeper.pid).children(recursive=True)) < processes:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        return engine
+
+    yield start
+    for keeper in keepers:
+        keeper.kill()
+        keeper.wait()
+
+
+def test_a_dump_cut_short_by_a_crash_in_the_tree_does_not_make_the_engine_stuck(stand_in):
     """The OOM killer takes a process of the tree while CRIU dumps it: the image fails, but
     the command is no less imageable (its restart must go on from the last image), so the
     engine is not stuck. The dump is real code here, with a stand-in for criu that does what
     the kernel did: a process of the tree killed, CRIU's error (as seen in CI), exit 1."""
-    monkeypatch.setenv("PROCCKPT_CRIU_PID_NAMESPACE", "0")
-    criu = tmp_path / "criu"
-    criu.write_text("#!/bin/sh\n"
-                    "while [ \"$1\" != -t ]; do shift; done; root=$2\n"
-                    "while [ \"$1\" != -W ]; do shift; done; work=$2\n"
-                    "pkill -KILL -P \"$root\"; sleep 0.2\n"
-                    "echo 'Error (criu/parasite-syscall.c:87): si_code=2 si_pid=1 si_status=9' "
-                    "> \"$work/dump.log\"\nexit 1\n")
-    criu.chmod(0o755)
-    keeper = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & wait' & wait"])
-    try:
-        engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools(str(criu),
-                                                                                  (4, 2)))
-        engine.start_cycle(["python", "train.py"], "token")
-        engine.child_started(keeper.pid)
-        deadline = time.monotonic() + 10
-        while not psutil.Process(keeper.pid).children(recursive=True)[1:]:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        c = _confirmed(engine, engine.request("checkpoint", "interval"))
-        assert c.checkpoint is None and c.error is not None
-        assert c.error.startswith("pid ") and "ended during the image" in c.error, c.error
-        assert engine.stuck is None
-    finally:
-        keeper.kill()
-        keeper.wait()
+    engine = stand_in("pkill -KILL -P \"$root\"; sleep 0.2\n"
+                      "echo 'Error (criu/parasite-syscall.c:87): si_code=2 si_pid=1 "
+                      "si_status=9' > \"$work/dump.log\"\nexit 1\n", "sleep 60 & wait", 2)
+    c = _confirmed(engine, engine.request("checkpoint", "interval"))
+    assert c.checkpoint is None and c.error is not None
+    assert c.error.startswith("pid ") and "ended during the image" in c.error, c.error
+    assert engine.stuck is None
 
 
 def test_a_stop_whose_dump_met_a_worker_ending_is_imaged_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+        stand_in, tmp_path: Path, caplog: pytest.LogCaptureFixture):
     """A DataLoader worker exits at an epoch's end while CRIU seizes the tree for the stop's
     image ("Zombies with threads are not supported", a CI run): the stop is imaged again once
     the tree settled, rather than losing the work since the last image. The stand-in criu
     ends a process of the real tree and fails the first time, and writes an image the next."""
-    monkeypatch.setenv("PROCCKPT_CRIU_PID_NAMESPACE", "0")
-    criu = tmp_path / "criu"
-    criu.write_text("#!/bin/sh\n"
-                    f"tries={tmp_path}/tries; echo x >> $tries\n"
-                    "while [ \"$1\" != -t ]; do shift; done; root=$2\n"
-                    "while [ \"$1\" != -D ]; do shift; done; images=$2\n"
-                    "while [ \"$1\" != -W ]; do shift; done; work=$2\n"
-                    "if [ $(wc -l < $tries) = 1 ]; then\n"
-                    "  pkill -KILL -n -P \"$root\"; sleep 0.2\n"
-                    "  echo 'Error (criu/seize.c:882): Zombies with threads are not supported'"
-                    " > \"$work/dump.log\"; exit 1\n"
-                    "fi\n"
-                    "echo image > \"$images/core-1.img\"\n")
-    criu.chmod(0o755)
-    keeper = subprocess.Popen(["sh", "-c", "sh -c 'sleep 60 & sleep 60 & wait' & wait"])
-    try:
-        engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools(str(criu),
-                                                                                  (4, 2)))
-        engine.start_cycle(["python", "train.py"], "token")
-        engine.child_started(keeper.pid)
-        deadline = time.monotonic() + 10
-        while len(psutil.Process(keeper.pid).children(recursive=True)) < 3:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        with caplog.at_level("WARNING"):
-            c = _confirmed(engine, engine.request("stop", "deadline"))
-        assert c.checkpoint is not None and c.stopping, c.error
-        assert (tmp_path / "tries").read_text().count("x") == 2
-        assert [info.name for info in engine.store.checkpoints()] == [c.checkpoint]
-        assert "ended during the image" in caplog.text and "taking it again" in caplog.text
-        assert engine.stuck is None
-    finally:
-        keeper.kill()
-        keeper.wait()
+    tries = tmp_path / "tries"
+    engine = stand_in(f"echo x >> {tries}\n"
+                      f"if [ $(wc -l < {tries}) = 1 ]; then\n"
+                      "  pkill -KILL -n -P \"$root\"; sleep 0.2\n"
+                      "  echo 'Error (criu/seize.c:882): Zombies with threads are not "
+                      "supported' > \"$work/dump.log\"; exit 1\n"
+                      "fi\n"
+                      "echo image > \"$images/core-1.img\"\n",
+                      "sleep 60 & sleep 60 & wait", 3)
+    with caplog.at_level("WARNING"):
+        c = _confirmed(engine, engine.request("stop", "deadline"))
+    assert c.checkpoint is not None and c.stopping, c.error
+    assert tries.read_text().count("x") == 2
+    assert [info.name for info in engine.store.checkpoints()] == [c.checkpoint]
+    assert "ended during the image" in caplog.text and "taking it again" in caplog.text
+    assert engine.stuck is None

@@ -27,8 +27,8 @@ host's, so a script that reads ``/proc/<its pid>`` reads another process there
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
+import runpy
 import signal
 import sys
 from typing import Any
@@ -107,19 +107,15 @@ def _say_left_behind() -> None:
             left = [int(pid) for pid in f.read().split()]
     except (OSError, StopIteration, ValueError):
         return
-    said = _keeper().left_behind(left)
+    said = _keeper()["left_behind"](left)
     if said is not None:
         print(said, file=sys.stderr, flush=True)
 
 
-def _keeper() -> Any:
-    """keeper.py, two folders up (this script runs isolated: ``-I``, nothing on its path)."""
-    spec = importlib.util.spec_from_file_location(
-        "procckpt_keeper", os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _keeper() -> dict[str, Any]:
+    """keeper.py's names, two folders up (this script runs isolated: ``-I``, nothing on its
+    path)."""
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
 
 
 def _pass_signals_to(target: int) -> None:
@@ -136,7 +132,7 @@ def _pass_signals_to(target: int) -> None:
 
 def _die_of(signum: int) -> int:
     """End this process by ``signum`` as the command ended (its exit status, for the keeper)."""
-    return int(_keeper().die_of(signum))
+    return int(_keeper()["die_of"](signum))
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ falls back to the previous image.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
+import runpy
 import signal
 import stat
 import subprocess
@@ -99,19 +99,15 @@ def main(argv: list[str]) -> int:
             relay.join(timeout=5.0)  # what the root wrote last
         code = os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128
         if os.WIFSIGNALED(status) or (namespace and 128 < code < 128 + signal.NSIG):
-            return int(_keeper().die_of(os.WTERMSIG(status) if os.WIFSIGNALED(status)
-                                        else code - 128))
+            signum = os.WTERMSIG(status) if os.WIFSIGNALED(status) else code - 128
+            return int(_keeper()["die_of"](signum))
         return code
 
 
-def _keeper() -> Any:
-    """keeper.py, two folders up (this script runs isolated: ``-I``, nothing on its path)."""
-    spec = importlib.util.spec_from_file_location(
-        "procckpt_keeper", os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _keeper() -> dict[str, Any]:
+    """keeper.py's names, two folders up (this script runs isolated: ``-I``, nothing on its
+    path)."""
+    return runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
 
 
 def _pass(root: int, signum: int) -> None:
