@@ -44,9 +44,10 @@ def write_script(tmp_path: Path, name: str, text: str) -> Path:
 def choose(store: CheckpointStore, command: list[str], tmp_path: Path, requested: str = "auto",
            environ: dict[str, str] | None = None, tools: DmtcpTools | None = TOOLS,
            probe_result: str | None = None, criu=NO_CRIU):
+    """``criu``: what the CRIU check answers; None: the real check of $PROCCKPT_CRIU."""
     return choose_engine(requested, command, store, environ=NO_GPU if environ is None else environ,
                          cwd=tmp_path, find=lambda: tools, probe=lambda t: probe_result,
-                         criu=lambda: criu, dev=tmp_path / "dev")
+                         criu=None if criu is None else lambda: criu, dev=tmp_path / "dev")
 
 
 def commit(store: CheckpointStore, engine: str) -> None:
@@ -161,6 +162,26 @@ def test_visible_gpus_keep_auto_on_hooks_and_warn_under_engine_dmtcp(tmp_path, s
     assert "--engine hooks" in caplog.text
 
 
+def test_visible_gpus_warn_under_engine_criu(tmp_path, store, caplog):
+    with caplog.at_level(logging.WARNING, logger="procckpt"):
+        forced = choose(store, ["python", "-c", "pass"], tmp_path, requested="criu",
+                        environ={"CUDA_VISIBLE_DEVICES": "0"}, criu=CRIU)
+    assert forced.name == "criu"
+    assert "CRIU cannot image a process that uses CUDA" in caplog.text
+    assert "--engine hooks" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="procckpt"):
+        choose(store, ["python", "-c", "pass"], tmp_path, requested="criu", environ={},
+               criu=CRIU)
+    assert "CUDA" not in caplog.text
+
+
+def test_engine_criu_without_a_usable_criu_is_its_one_line(tmp_path, store):
+    with pytest.raises(UsageError) as err:
+        choose(store, ["python", "train.py"], tmp_path, requested="criu", criu=NO_CRIU)
+    assert str(err.value) == NO_CRIU[1].message
+
+
 def test_cuda_visible_reads_the_variable_then_the_device_files(tmp_path):
     dev = tmp_path / "dev"
     dev.mkdir()
@@ -239,11 +260,11 @@ def _fake_criu(tmp_path: Path, version: str, name: str = "criu") -> Path:
 def test_engine_criu_refuses_in_one_line_what_cannot_image_here(tmp_path, store, monkeypatch):
     monkeypatch.setenv("PROCCKPT_CRIU", str(tmp_path / "none"))
     with pytest.raises(UsageError, match=r"needs CRIU, but .*/none is not an executable"):
-        choose(store, ["python", "x.py"], tmp_path, requested="criu")
+        choose(store, ["python", "x.py"], tmp_path, requested="criu", criu=None)
     monkeypatch.setenv("PROCCKPT_CRIU", str(_fake_criu(tmp_path, "3.17")))
     with pytest.raises(UsageError, match=r"is CRIU 3\.17, which cannot image processes on "
                                          r"kernels from 6\.13"):
-        choose(store, ["python", "x.py"], tmp_path, requested="criu")
+        choose(store, ["python", "x.py"], tmp_path, requested="criu", criu=None)
     fake = _fake_criu(tmp_path, "4.2")
     tools, problem = criu_problem(str(fake), euid=1000)
     assert tools is None and problem == (
@@ -261,7 +282,7 @@ def test_a_dir_of_criu_images_keeps_criu_and_refuses_hooks(tmp_path, store, monk
     monkeypatch.setenv("PROCCKPT_CRIU", str(_fake_criu(tmp_path, "4.2")))
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     commit(store, "criu")
-    choice = choose(store, ["python", "x.py"], tmp_path)
+    choice = choose(store, ["python", "x.py"], tmp_path, criu=None)
     assert choice.name == "criu" and choice.reason == "the checkpoint dir holds CRIU images"
     with pytest.raises(UsageError, match="holds CRIU images, which the hooks engine cannot "
                                          "resume: run with --engine criu"):

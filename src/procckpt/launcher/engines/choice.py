@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 from ...store import CheckpointStore
-from .criu import CriuProblem, CriuTools, criu_problem, criu_usable, find_criu
+from .criu import CriuProblem, CriuTools, criu_usable, find_criu
 from .dmtcp import DmtcpTools, find_dmtcp, missing_dmtcp_message
 from .dmtcp.engine import fork_safe_env
 
@@ -91,15 +91,15 @@ def choose_engine(requested: str, command: list[str], store: CheckpointStore, *,
                              "new --dir")
         return EngineChoice("hooks", "--engine hooks")
     if requested == "criu" or (requested == "auto" and written_by == "criu"):
-        return _criu_choice(requested, written_by, store)
+        chosen = _criu_choice(requested, written_by, store, criu)
+        _warn_of_gpus(environ, dev, "CRIU cannot image a process that uses CUDA (procckpt "
+                                    "does not drive cuda-checkpoint yet)")
+        return chosen
     if requested == "dmtcp":
         tools = find()
         if tools is None:
             raise UsageError(missing_dmtcp_message("--engine dmtcp needs DMTCP"))
-        gpu = cuda_visible(environ, dev)
-        if gpu:
-            logger.warning("%s, and DMTCP cannot checkpoint a process that uses CUDA: if the "
-                           "command uses the GPU, run it with --engine hooks", gpu)
+        _warn_of_gpus(environ, dev, "DMTCP cannot checkpoint a process that uses CUDA")
         return EngineChoice("dmtcp", "--engine dmtcp", tools)
 
     if written_by == "dmtcp":
@@ -174,18 +174,29 @@ def _rank_launcher(command: list[str]) -> str | None:
     return None
 
 
-def _criu_choice(requested: str, written_by: str | None, store: CheckpointStore) -> EngineChoice:
+def _criu_choice(requested: str, written_by: str | None, store: CheckpointStore,
+                 criu: Callable[[], tuple[CriuTools | None, CriuProblem | None]],
+                 ) -> EngineChoice:
     """``--engine criu``, or ``auto`` on a dir of CRIU images: CRIU, or one line why not."""
     if written_by not in (None, "criu"):
         raise UsageError(f"{store.root} holds {written_by} checkpoints, which the CRIU engine "
                          f"cannot resume: run with --engine {written_by}, or use a new --dir")
-    tools, problem = criu_problem(find_criu())
+    tools, problem = criu()
     if problem is not None:
-        raise UsageError(problem if requested == "criu" else
-                         f"the checkpoints in {store.root} are CRIU images, but {problem}")
+        raise UsageError(problem.message if requested == "criu" else
+                         f"the checkpoints in {store.root} are CRIU images, but "
+                         f"{problem.message}")
     assert tools is not None
     return EngineChoice("criu", "--engine criu" if requested == "criu" else
                         "the checkpoint dir holds CRIU images", tools)
+
+
+def _warn_of_gpus(environ: Mapping[str, str], dev: Path, cannot: str) -> None:
+    """Where CUDA devices are visible to an image engine that ``cannot`` image them."""
+    gpu = cuda_visible(environ, dev)
+    if gpu:
+        logger.warning("%s, and %s: if the command uses the GPU, run it with --engine hooks",
+                       gpu, cannot)
 
 
 def _unsaveable(read: list[str], why: str) -> str | None:
