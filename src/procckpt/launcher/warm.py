@@ -9,12 +9,13 @@ Once a cycle's training has reached its first step (its own start-up no longer c
 the processors), the launcher starts one spare behind a keeper of its own, as a command is
 started: a session and process group of its own, the keeper's lifeline, the environment of a
 cold start. The spare's bootstrap puts the script's directory first on ``sys.path`` (as
-``python train.py`` would, so that the same modules are found), imports torch, and blocks on
-its pipe. The restart sends the cycle's argv, environment and working directory. The bootstrap
-sets them (``sys.argv``, ``sys.orig_argv``, ``os.environ``) and runs the script as ``__main__``
-with :mod:`runpy`, as ``python`` runs a script or ``-m`` a module. A run that ends without
-using its spare closes the pipe: the bootstrap exits at once, and the keeper goes with the
-lifeline.
+``python train.py`` would, so that the same modules are found), imports torch, and waits on
+its pipe; meanwhile, once the memory tier holds a slot, it touches memory of the slot's size
+for the restore's copies (training/state/reserve.py). The restart sends the cycle's argv,
+environment and working directory. The bootstrap sets them (``sys.argv``, ``sys.orig_argv``,
+``os.environ``) and runs the script as ``__main__`` with :mod:`runpy`, as ``python`` runs a
+script or ``-m`` a module. A run that ends without using its spare closes the pipe: the
+bootstrap exits at once, and the keeper goes with the lifeline.
 
 Only ``python [-u|-O|-B|-W arg|-X opt...] script.py ...`` and ``python ... -m module ...``
 are served, under the hooks engine, by a launcher alone on its node. torchrun (a launcher of
@@ -46,6 +47,8 @@ _PER_CYCLE = frozenset({ctl.ENV_TOKEN, ctl.ENV_RESTART, ctl.ENV_CYCLE, ctl.ENV_R
 
 #: Run by the spare: ``python [flags] -c BOOTSTRAP FD PATH0``. Standard library only until
 #: torch, which it imports as the script would (and what the first optimizer step imports).
+#: While it waits, procckpt's training side touches memory for the restore's copies
+#: (training/state/reserve.py).
 BOOTSTRAP = """\
 import os, sys
 _fd, sys.path[0] = int(sys.argv[1]), sys.argv[2]
@@ -55,6 +58,12 @@ try:
         import torch._dynamo
     except Exception:
         pass
+except Exception:
+    pass
+try:
+    from procckpt.training.state.reserve import wait_readable
+    wait_readable(_fd)
+    del wait_readable
 except Exception:
     pass
 _chunks = []

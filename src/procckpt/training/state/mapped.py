@@ -18,6 +18,7 @@ import torch
 
 from ...store.checksum import crc32
 from ..save.writer import tensors_of
+from . import reserve
 
 __all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy"]
 
@@ -30,17 +31,23 @@ def detach_from_file(payload: Any, holders: list[Any]) -> int:
     keeps the loaded tensors themselves. Left mapped, they would be copied page by page on
     their first update and would keep the checkpoint file's blocks allocated after pruning
     deletes it. ``holders`` are the statefuls: their ``state_dict()`` returns the very tensors
-    they hold, which are re-pointed (``set_``) at a private copy.
+    they hold, which are re-pointed (``set_``) at a private copy: in memory a warm restart's
+    spare touched in advance where it holds some (reserve.py), else in new memory.
     """
     mapped = {t.untyped_storage().data_ptr() for t in tensors_of(payload) if t.numel()}
     copied = 0
-    with torch.no_grad():
-        for holder in holders:
-            for t in tensors_of(holder.state_dict()):
-                if t.numel() and t.untyped_storage().data_ptr() in mapped:
-                    # set_ takes a tensor too; torch's stubs name only storages.
-                    t.set_(t.clone())  # type: ignore[call-overload]
-                    copied += t.numel() * t.element_size()
+    try:
+        with torch.no_grad():
+            for holder in holders:
+                for t in tensors_of(holder.state_dict()):
+                    if t.numel() and t.untyped_storage().data_ptr() in mapped:
+                        own = reserve.take(t)
+                        own = t.clone() if own is None else own.copy_(t)
+                        # set_ takes a tensor too; torch's stubs name only storages.
+                        t.set_(own)  # type: ignore[call-overload]
+                        copied += t.numel() * t.element_size()
+    finally:
+        reserve.release()
     return copied
 
 

@@ -1,0 +1,132 @@
+"""Memory touched in advance for a restore: a warm restart's spare interpreter fills it while
+it waits, and the restore gives the optimizer's state its memory there (issue 55).
+
+A restore from the memory tier loads a memory-mapped checkpoint; the optimizer keeps the
+loaded tensors themselves, so each gets memory of its own (mapped.py, ``detach_from_file``).
+Into memory the process has never touched, that copy runs at the speed of the kernel's page
+faults (a fault and a zeroed page for every 4 KiB): on a 2-core VM without huge pages, about
+1.7 GB/s, two thirds of a 64-MB restore. Into memory already touched it runs at the speed of
+a copy.
+
+The spare (launcher/warm.py) calls :func:`wait_readable` on its pipe. While no restart comes,
+it looks at the launcher's memory tier once a second, and once a slot is there, maps and
+touches an anonymous region of the slot's size (if the machine and the cgroup have room for
+it). The restart then runs the script in that process; the restore's copies are carved from
+the region (:func:`take`), 64-byte aligned, each a tensor of its own; :func:`release` gives
+the rest back to the kernel. A region carved from lives as long as one of its tensors does.
+Any process without a region (a cold start, a tier that is off) copies as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import select
+from pathlib import Path
+
+import torch
+
+from ...protocol.control import ENV_TIER
+from ...store.cgroups import memory_short
+
+__all__ = ["wait_readable", "prepare", "take", "release", "held", "carved"]
+
+#: How often a waiting spare looks for the tier's first slot, in seconds.
+LOOK_EVERY = 1.0
+#: Left free on the machine or in the cgroup beyond the region.
+_MARGIN = 256 << 20
+_ALIGN = 64
+_PAGE = mmap.PAGESIZE
+
+_region: mmap.mmap | None = None
+_view: memoryview | None = None
+_used = 0
+#: Bytes the restores of this process copied into a region (for its recovery event).
+_carved = 0
+
+
+def wait_readable(fd: int, tier: str | None = None) -> None:
+    """Return once ``fd`` can be read; meanwhile prepare the region from the tier's newest
+    slot (``tier``: its directory, by default the one the launcher named in the
+    environment)."""
+    tier = tier if tier is not None else os.environ.get(ENV_TIER)
+    while _region is None and tier:
+        readable, _, _ = select.select([fd], [], [], LOOK_EVERY)
+        if readable:
+            return
+        nbytes = _newest_slot_bytes(Path(tier))
+        if nbytes:
+            prepare(nbytes)
+            break
+    select.select([fd], [], [])
+
+
+def _newest_slot_bytes(tier: Path) -> int:
+    """The size of the newest slot's files in ``tier``, 0 if there is none yet."""
+    from ...store import CheckpointStore
+
+    try:
+        slots = CheckpointStore(tier, keep=2).checkpoints()
+    except OSError:
+        return 0
+    return slots[0].nbytes if slots else 0
+
+
+def prepare(nbytes: int) -> bool:
+    """Map and touch a region of ``nbytes`` (once per process); False where there is no room
+    for it or the kernel refused it."""
+    global _region, _view, _used
+    if _region is not None or nbytes <= 0 or memory_short(nbytes + _MARGIN) is not None:
+        return False
+    size = -(-nbytes // _PAGE) * _PAGE
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return False
+    zeros = bytes(min(size, 1 << 20))
+    for start in range(0, size, len(zeros)):  # a write per page: each fault taken now
+        region[start:start + len(zeros)] = zeros[:size - start]
+    _region, _view, _used = region, memoryview(region), 0
+    return True
+
+
+def held() -> int:
+    """Bytes of the region not carved yet (0 without one)."""
+    return 0 if _region is None else len(_region) - _used
+
+
+def carved() -> int:
+    """Bytes this process's restores copied into memory touched in advance."""
+    return _carved
+
+
+def take(like: torch.Tensor) -> torch.Tensor | None:
+    """A tensor of ``like``'s dtype and shape in the region, not filled; None where ``like``
+    is not a plain dense CPU tensor or the region has no room for it."""
+    global _used, _carved
+    if _view is None or like.device.type != "cpu" or not like.is_contiguous() \
+            or like.is_quantized or like.layout != torch.strided:
+        return None
+    nbytes = like.numel() * like.element_size()
+    start = -(-_used // _ALIGN) * _ALIGN
+    if nbytes == 0 or start + nbytes > len(_view):
+        return None
+    _used, _carved = start + nbytes, _carved + nbytes
+    return torch.frombuffer(_view[start:start + nbytes], dtype=like.dtype).view(like.shape)
+
+
+def release() -> None:
+    """Give the pages not carved back to the kernel and forget the region: what was carved
+    from it keeps it mapped while it lives."""
+    global _region, _view, _used
+    region, view = _region, _view
+    _region, _view = None, None
+    if region is None or view is None:
+        return
+    first_free = -(-_used // _PAGE) * _PAGE
+    if first_free < len(region):
+        region.madvise(mmap.MADV_DONTNEED, first_free, len(region) - first_free)
+    carved, _used = _used, 0
+    view.release()
+    if not carved:
+        region.close()
