@@ -14,7 +14,8 @@ Prints, against the targets of issue 55:
 - the tier's cost a step: the time of 300 steps with the tier against without, alternated,
   medians (target: at most 1 %);
 - how fast the restarts restored their state (the kept slot, read back from the checkpoint
-  dir; target: at least 3 GB/s).
+  dir; target: at least 3 GB/s), and how many restores copied the optimizer's state into
+  memory the warm restart's spare had touched while it waited (training/state/reserve.py).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ def _step_cost(work: Path, train_args: list[str], rounds: int) -> tuple[float, f
 def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
              ) -> tuple[list[int], list[float], list[float], str]:
     """Kill the training ``kills`` times; the steps each lost, the seconds from each kill to
-    the first resumed step, the restores' speeds (bytes/s), the launcher's log."""
+    the first resumed step, the restores' speeds (bytes/s), how many of them copied into
+    memory the spare had touched, the launcher's log."""
     proc, out, err = _launch(work, "crashes", [*train_args, "--steps", "100000"],
                              "--restart-on-failure", "--max-restarts", str(kills + 5))
     lost, recoveries = [], []
@@ -152,9 +154,11 @@ def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
         proc.wait()
     journal = [json.loads(line) for line in
                (out.parent / "ckpt" / "events.jsonl").read_text().splitlines()]
-    speeds = [e["bytes"] / e["restore"] for e in journal
-              if e.get("event") == "recovery" and e.get("restore") and e.get("bytes")]
-    return lost, recoveries, speeds, err.read_text()
+    timed = [e for e in journal
+             if e.get("event") == "recovery" and e.get("restore") and e.get("bytes")]
+    speeds = [e["bytes"] / e["restore"] for e in timed]
+    touched = sum(1 for e in timed if e.get("touched"))
+    return lost, recoveries, speeds, touched, err.read_text()
 
 
 def _training_pid(err: Path) -> int | None:
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cold = _import_torch()
         plain, tiered = _step_cost(work, train_args, args.rounds)
-        lost, recoveries, speeds, log = _crashes(work, train_args, args.kills,
+        lost, recoveries, speeds, touched, log = _crashes(work, train_args, args.kills,
                                                  random.Random(args.seed))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -208,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         ("the tier's cost a step", f"{tiered / plain - 1:+.1%} (250 steps: {plain:.2f} s "
                                    f"without, {tiered:.2f} s with; target <= 1 %)"),
         ("restore", (f"median {statistics.median(speeds) / 1e9:.2f} GB/s from the kept slot "
-                     "(target >= 3 GB/s)") if speeds else "no restore timed"),
+                     f"(target >= 3 GB/s); {touched} of {len(speeds)} into memory the spare "
+                     "had touched") if speeds else "no restore timed"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

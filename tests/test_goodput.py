@@ -164,3 +164,18 @@ def test_a_node_lost_mid_cycle_loses_the_work_since_its_last_checkpoint():
     assert c.seconds()["lost"] == pytest.approx(58 - 31.01)
     assert c.seconds()["training"] == pytest.approx(31 - 22)
     assert_adds_up(g)
+
+
+def test_the_last_restart_says_where_its_state_came_from_and_what_went_into_touched_memory():
+    from procckpt.inspect.status import recovery_line
+
+    restart = ev(40, "recovery", backoff=0.0, spawn=0.01, imports=0.0, checkpointer=0.05,
+                 restore=0.02, bytes=64_000_000, source="the memory tier", touched=42_000_000,
+                 first_step=0.03, total=0.4)
+    line = recovery_line([ev(39, "cycle", cycle=2, warm=True), restart])
+    assert line is not None and "(warm: torch was imported)" in line, line
+    assert "restore 0.02s (64.0 MB, from the memory tier, 42.0 MB of it into memory touched " \
+        "in advance)" in line, line
+    cold = recovery_line([ev(39, "cycle", cycle=2),
+                          {**restart, "touched": None, "source": "the checkpoint dir"}])
+    assert cold is not None and "restore 0.02s (64.0 MB, from the checkpoint dir)" in cold

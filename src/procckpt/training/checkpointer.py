@@ -40,6 +40,7 @@ from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
 from .saving import Saves, background_savers, frozen_chunks, memory_tier
+from .state import reserve
 from .state.first_step import ADVICE, StateExpectation, live_state
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
@@ -348,13 +349,15 @@ class Checkpointer:
                     prints, lambda: live_state(self._statefuls), advice or ADVICE, counters))
         return info
 
-    def _restored(self) -> tuple[int | None, str | None]:
-        """The bytes of the state this process resumed from, and where it was kept."""
+    def _restored(self) -> tuple[int | None, str | None, int]:
+        """The bytes of the state this process resumed from, where it was kept, and how many
+        of them went into memory a warm restart had touched in advance (state/reserve.py)."""
         resumed = self.resumed_from
         if resumed is None:
-            return None, None
+            return None, None, 0
         memory = resumed.manifest.get("reason") == "memory"  # (a slot the launcher kept)
-        return resumed.nbytes, "the memory tier" if memory else "the checkpoint dir"
+        return (resumed.nbytes, "the memory tier" if memory else "the checkpoint dir",
+                reserve.carved())
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return load_newest_verified(self.store, lambda info, payload: apply_payload(

@@ -33,9 +33,10 @@ class CycleTimer:
         self._recovery: dict[str, Any] | None = None
 
     def ready(self, restore_seconds: float | None, restored_bytes: int | None = None,
-              source: str | None = None) -> None:
+              source: str | None = None, touched: int = 0) -> None:
         """The Checkpointer is ready; ``source``: where the state it restored was kept (the
-        memory tier or the checkpoint dir)."""
+        memory tier or the checkpoint dir); ``touched``: the bytes it copied into memory
+        touched in advance."""
         if self.journal is None:
             return
         self._marks.append(time.monotonic())
@@ -44,6 +45,8 @@ class CycleTimer:
         self._recovery = _recovery_start(self._created, ready, restore_seconds, restored_bytes)
         if self._recovery is not None and source is not None:
             self._recovery["source"] = source
+        if self._recovery is not None and touched:
+            self._recovery["touched"] = touched
 
     def at_safe_point(self, now: float) -> None:
         """Called at every safe point; cheap once the first two steps are measured."""
