@@ -52,13 +52,14 @@ def child(mb: float, folder: str, mode: str) -> None:
     ckpt.close()
 
 
-def _speed(mb: float, folder: Path, mode: str) -> float:
+def _child(mb: float, folder: Path, mode: str) -> str:
+    """Run :func:`child` in a fresh process; its standard output."""
     done = subprocess.run([PYTHON, __file__, "--child", mode, "--folder", str(folder),
                            "--mb", str(mb)], capture_output=True, text=True,
                           env={**os.environ, "PROCCKPT_LOG_LEVEL": "WARNING"})
     if done.returncode != 0:
         raise SystemExit(f"the {mode} process failed: {done.stderr[-2000:]}")
-    return float(done.stdout.split()[-1])
+    return done.stdout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,23 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     for mb in args.mb:
         work = Path(tempfile.mkdtemp(prefix="restore-touched-"))
         try:
-            _make(mb, work)
+            _child(mb, work, "make")
             speeds: dict[str, list[float]] = {"touched": [], "new": []}
             for _ in range(args.runs):
                 for mode in speeds:
-                    speeds[mode].append(_speed(mb, work, mode))
+                    speeds[mode].append(float(_child(mb, work, mode).split()[-1]))
         finally:
             shutil.rmtree(work, ignore_errors=True)
         touched, new = (statistics.median(speeds[m]) for m in ("touched", "new"))
         print(f"{mb:>5.0f} MB  {touched / 1e9:>12.2f}  {new / 1e9:>9.2f}  {touched / new:.2f}x")
     return 0
-
-
-def _make(mb: float, work: Path) -> None:
-    done = subprocess.run([PYTHON, __file__, "--child", "make", "--folder", str(work),
-                           "--mb", str(mb)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"writing the checkpoint failed: {done.stderr[-2000:]}")
 
 
 if __name__ == "__main__":

@@ -28,12 +28,12 @@ from .device import CpuTwin, CudaOps, device_ops
 if TYPE_CHECKING:
     from .fence import StepFence
 
-__all__ = ["HostArena", "Snapshot", "NotSnapshottable"]
+__all__ = ["HostArena", "Snapshot", "NotSnapshottable", "round_up", "ALIGN"]
 
 logger = logging.getLogger(__name__)
 
 #: Storages are placed at multiples of this in the host arena (torch.save's own alignment).
-_ALIGN = 64
+ALIGN = 64
 #: Copies below this size are not worth starting threads for.
 _PARALLEL_COPY_MIN = 8 << 20
 #: Memory bandwidth is saturated by a few copying threads; more only take cores.
@@ -237,7 +237,7 @@ class HostArena:
         total = 0
         for s in sources:
             offsets.append(total)
-            total += _round_up(s.numel() * s.element_size(), _ALIGN)
+            total += round_up(s.numel() * s.element_size(), ALIGN)
         wanted = _Pinning.REGISTERED if pinned else _Pinning.NONE
         if total > self.capacity or (pinned != self.pinned):
             self._allocate(total, wanted, ops)
@@ -266,7 +266,7 @@ class HostArena:
         # kernel populates it in one go (MAP_POPULATE): on the VM of BENCHMARKS.md that
         # costs 0.4 s per GiB, against 1-3 s when the first copy faults pages in one by one
         # (with or without transparent huge pages), and later copies are as fast.
-        size = _round_up(nbytes, mmap.PAGESIZE)
+        size = round_up(nbytes, mmap.PAGESIZE)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         mm = mmap.mmap(-1, size, flags=flags)
         # Not inherited by forked children (DataLoader workers start at every epoch): in a
@@ -426,5 +426,5 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _round_up(n: int, multiple: int) -> int:
+def round_up(n: int, multiple: int) -> int:
     return int(math.ceil(n / multiple)) * multiple if n else 0

@@ -9,11 +9,12 @@ faults (a fault and a zeroed page for every 4 KiB): on a 2-core VM without huge 
 a copy.
 
 The spare (launcher/warm.py) calls :func:`wait_readable` on its pipe. While no restart comes,
-it looks at the launcher's memory tier once a second, and once a slot is there, maps and
-touches an anonymous region of the slot's size (if the machine and the cgroup have room for
-it). The restart then runs the script in that process; the restore's copies are carved from
-the region (:func:`take`), 64-byte aligned, each a tensor of its own; :func:`release` gives
-the rest back to the kernel. A region carved from lives as long as one of its tensors does.
+it looks at the launcher's memory tier once a second, and once a slot is there, maps an
+anonymous region of the slot's size, populated by the kernel in one go as the host arena is
+(save/arena.py), if the machine and the cgroup have room for it. The restart then runs the
+script in that process; the restore's copies are carved from the region (:func:`take`),
+64-byte aligned, each a tensor of its own; :func:`release` gives the rest back to the kernel.
+A region carved from lives as long as one of its tensors does.
 Any process without a region (a cold start, a tier that is off) copies as before.
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from ...protocol.control import ENV_TIER
 from ...store.cgroups import memory_short
+from ..save.arena import ALIGN, round_up
 
 __all__ = ["wait_readable", "prepare", "take", "release", "held", "carved"]
 
@@ -35,10 +37,8 @@ __all__ = ["wait_readable", "prepare", "take", "release", "held", "carved"]
 LOOK_EVERY = 1.0
 #: Left free on the machine or in the cgroup beyond the region.
 _MARGIN = 256 << 20
-_ALIGN = 64
-_PAGE = mmap.PAGESIZE
 
-_region: mmap.mmap | None = None
+#: The region (a view of its mapping), and how much of it was carved.
 _view: memoryview | None = None
 _used = 0
 #: Bytes the restores of this process copied into a region (for its recovery event).
@@ -50,7 +50,7 @@ def wait_readable(fd: int, tier: str | None = None) -> None:
     slot (``tier``: its directory, by default the one the launcher named in the
     environment)."""
     tier = tier if tier is not None else os.environ.get(ENV_TIER)
-    while _region is None and tier:
+    while _view is None and tier:
         readable, _, _ = select.select([fd], [], [], LOOK_EVERY)
         if readable:
             return
@@ -73,26 +73,23 @@ def _newest_slot_bytes(tier: Path) -> int:
 
 
 def prepare(nbytes: int) -> bool:
-    """Map and touch a region of ``nbytes`` (once per process); False where there is no room
-    for it or the kernel refused it."""
-    global _region, _view, _used
-    if _region is not None or nbytes <= 0 or memory_short(nbytes + _MARGIN) is not None:
+    """Map a populated region of ``nbytes`` (one at a time); False where there is no room for
+    it or the kernel refused it."""
+    global _view, _used
+    if _view is not None or nbytes <= 0 or memory_short(nbytes + _MARGIN) is not None:
         return False
-    size = -(-nbytes // _PAGE) * _PAGE
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     try:
-        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region = mmap.mmap(-1, round_up(nbytes, mmap.PAGESIZE), flags=flags)
     except OSError:
         return False
-    zeros = bytes(min(size, 1 << 20))
-    for start in range(0, size, len(zeros)):  # a write per page: each fault taken now
-        region[start:start + len(zeros)] = zeros[:size - start]
-    _region, _view, _used = region, memoryview(region), 0
+    _view, _used = memoryview(region), 0
     return True
 
 
 def held() -> int:
     """Bytes of the region not carved yet (0 without one)."""
-    return 0 if _region is None else len(_region) - _used
+    return 0 if _view is None else len(_view) - _used
 
 
 def carved() -> int:
@@ -104,11 +101,11 @@ def take(like: torch.Tensor) -> torch.Tensor | None:
     """A tensor of ``like``'s dtype and shape in the region, not filled; None where ``like``
     is not a plain dense CPU tensor or the region has no room for it."""
     global _used, _carved
-    if _view is None or like.device.type != "cpu" or not like.is_contiguous() \
-            or like.is_quantized or like.layout != torch.strided:
+    if _view is None or like.layout != torch.strided or like.is_quantized \
+            or like.device.type != "cpu" or not like.is_contiguous():
         return None
     nbytes = like.numel() * like.element_size()
-    start = -(-_used // _ALIGN) * _ALIGN
+    start = round_up(_used, ALIGN)
     if nbytes == 0 or start + nbytes > len(_view):
         return None
     _used, _carved = start + nbytes, _carved + nbytes
@@ -118,15 +115,16 @@ def take(like: torch.Tensor) -> torch.Tensor | None:
 def release() -> None:
     """Give the pages not carved back to the kernel and forget the region: what was carved
     from it keeps it mapped while it lives."""
-    global _region, _view, _used
-    region, view = _region, _view
-    _region, _view = None, None
-    if region is None or view is None:
+    global _view, _used
+    view, used = _view, _used
+    _view, _used = None, 0
+    if view is None:
         return
-    first_free = -(-_used // _PAGE) * _PAGE
+    region = view.obj
+    assert isinstance(region, mmap.mmap)
+    first_free = round_up(used, mmap.PAGESIZE)
     if first_free < len(region):
         region.madvise(mmap.MADV_DONTNEED, first_free, len(region) - first_free)
-    carved, _used = _used, 0
     view.release()
-    if not carved:
+    if not used:
         region.close()
