@@ -14,7 +14,11 @@ from pathlib import Path
 
 from .files import format_size
 
-__all__ = ["cgroup_room", "memory_available", "memory_short"]
+__all__ = ["cgroup_room", "memory_available", "memory_short", "HEADROOM"]
+
+#: Left free on the machine or in the cgroup beyond what procckpt itself asks for (the
+#: memory tier's files and copy, a warm spare's region): the training's own growth.
+HEADROOM = 256 << 20
 
 #: A v1 limit of this or more is no limit (the kernel's "unlimited", rounded to pages).
 _V1_UNLIMITED = 1 << 62

@@ -28,7 +28,7 @@ from ...errors import ProcckptError
 from ...protocol.control import ENV_TIER
 from ...protocol.events import append_event
 from ...store import CheckpointStore
-from ...store.cgroups import memory_short
+from ...store.cgroups import HEADROOM, memory_short
 from ...store.files import format_size
 from .arena import HostArena, NotSnapshottable, Snapshot
 from .writer import payload_bytes, write_checkpoint
@@ -41,8 +41,6 @@ logger = logging.getLogger(__name__)
 BUDGET = 0.01
 #: Slots kept, plus the one being written: what the memory file system must hold.
 _FILES = 3
-#: Left free on the machine or in the cgroup beyond the tier's own need.
-_MARGIN = 256 << 20
 
 
 def tier_room(root: Path, nbytes: int) -> str | None:
@@ -50,7 +48,7 @@ def tier_room(root: Path, nbytes: int) -> str | None:
     ``root`` and one host copy in memory, with a margin, in the file system, the machine's
     available memory and the cgroup's limit."""
     files = _FILES * nbytes
-    need = files + nbytes + _MARGIN
+    need = files + nbytes + HEADROOM
     try:
         st = os.statvfs(root)
         free = st.f_bavail * st.f_frsize

@@ -28,15 +28,13 @@ from pathlib import Path
 import torch
 
 from ...protocol.control import ENV_TIER
-from ...store.cgroups import memory_short
+from ...store.cgroups import HEADROOM, memory_short
 from ..save.arena import ALIGN, round_up
 
 __all__ = ["wait_readable", "prepare", "take", "release", "held", "carved"]
 
 #: How often a waiting spare looks for the tier's first slot, in seconds.
 LOOK_EVERY = 1.0
-#: Left free on the machine or in the cgroup beyond the region.
-_MARGIN = 256 << 20
 
 #: The region (a view of its mapping), and how much of it was carved.
 _view: memoryview | None = None
@@ -76,7 +74,7 @@ def prepare(nbytes: int) -> bool:
     """Map a populated region of ``nbytes`` (one at a time); False where there is no room for
     it or the kernel refused it."""
     global _view, _used
-    if _view is not None or nbytes <= 0 or memory_short(nbytes + _MARGIN) is not None:
+    if _view is not None or nbytes <= 0 or memory_short(nbytes + HEADROOM) is not None:
         return False
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     try:
