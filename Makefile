@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 #: `make test` runs this many tests at a time (most end-to-end tests wait rather than compute).
-TEST_JOBS ?= 4
+TEST_JOBS ?= 5
 
 .PHONY: demo test test-quick unit lint bench gpu-check venv clean
 
