@@ -28,7 +28,7 @@ from .device import CpuTwin, CudaOps, device_ops
 if TYPE_CHECKING:
     from .fence import StepFence
 
-__all__ = ["HostArena", "Snapshot", "NotSnapshottable", "round_up", "ALIGN"]
+__all__ = ["HostArena", "Snapshot", "NotSnapshottable", "map_populated", "round_up", "ALIGN"]
 
 logger = logging.getLogger(__name__)
 
@@ -262,13 +262,8 @@ class HostArena:
         self._ops = ops
         if nbytes == 0:
             return
-        # Whole pages only, so the arena stays within a page of the state's size. The
-        # kernel populates it in one go (MAP_POPULATE): on the VM of BENCHMARKS.md that
-        # costs 0.4 s per GiB, against 1-3 s when the first copy faults pages in one by one
-        # (with or without transparent huge pages), and later copies are as fast.
-        size = round_up(nbytes, mmap.PAGESIZE)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(-1, size, flags=flags)
+        mm = map_populated(nbytes)
+        size = len(mm)
         # Not inherited by forked children (DataLoader workers start at every epoch): in a
         # child's lifetime each page the next capture writes would be copied first (1.5 s
         # instead of 0.06 s per GiB here, and 1x the state more memory), and page-locked
@@ -424,6 +419,15 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def map_populated(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory of ``nbytes`` in whole pages (so within a page of what was
+    asked), populated by the kernel in one go (MAP_POPULATE): on the VM of BENCHMARKS.md that
+    costs 0.4 s per GiB, against 1-3 s when the first copy faults pages in one by one (with or
+    without transparent huge pages), and later copies are as fast. Raises OSError."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    return mmap.mmap(-1, round_up(nbytes, mmap.PAGESIZE), flags=flags)
 
 
 def round_up(n: int, multiple: int) -> int:

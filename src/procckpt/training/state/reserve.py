@@ -29,7 +29,7 @@ import torch
 
 from ...protocol.control import ENV_TIER
 from ...store.cgroups import HEADROOM, memory_short
-from ..save.arena import ALIGN, round_up
+from ..save.arena import ALIGN, map_populated, round_up
 
 __all__ = ["wait_readable", "prepare", "take", "release", "held", "carved"]
 
@@ -76,9 +76,8 @@ def prepare(nbytes: int) -> bool:
     global _view, _used
     if _view is not None or nbytes <= 0 or memory_short(nbytes + HEADROOM) is not None:
         return False
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     try:
-        region = mmap.mmap(-1, round_up(nbytes, mmap.PAGESIZE), flags=flags)
+        region = map_populated(nbytes)
     except OSError:
         return False
     _view, _used = memoryview(region), 0
