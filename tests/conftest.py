@@ -10,8 +10,11 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from .harness import cpu_time
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -87,6 +90,45 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail("pytest-xdist ignored this test's xdist_group: install the pytest and "
                     "pytest-xdist that pyproject.toml names (pip install -e '.[test]')",
                     pytrace=False)
+
+
+#: Processor seconds at each test's start, in the process that runs it.
+_started_cpu: dict[str, float] = {}
+#: Each test's seconds as the reports come in, in the process that prints the summary.
+_ledger = cpu_time.Ledger()
+
+
+def pytest_runtest_logstart(nodeid: str, location: tuple[str, int | None, str]) -> None:
+    _started_cpu[nodeid] = cpu_time.used()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """The teardown's report carries the test's processor seconds, setup to teardown."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "teardown" and item.nodeid in _started_cpu:
+        spent = cpu_time.used() - _started_cpu.pop(item.nodeid)
+        report.user_properties.append((cpu_time.KEY, round(spent, 2)))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _ledger.add(report.nodeid, report.duration, report.user_properties)
+    if report.when == "teardown":
+        _started_cpu.pop(report.nodeid, None)  # (where it was only logged)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
+                            config: pytest.Config) -> None:
+    """Under ``--durations=N``, the same tests' processor seconds beside their wall seconds
+    (tests/README.md, "Where the time goes")."""
+    count = config.getoption("durations", None)
+    if count is None or not _ledger.wall:
+        return
+    terminalreporter.write_sep("=", f"where the time of the slowest {count or 'all'} tests goes: "
+                               "processor seconds, theirs and their processes'")
+    for line in _ledger.lines(count):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture
