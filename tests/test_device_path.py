@@ -9,7 +9,9 @@ them would change what they copy), and on a CUDA device (marked ``cuda``: `make 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,3 +179,21 @@ def test_a_checkpointer_over_a_wrapped_optimizer_checkpoints_in_the_background(
     for key, value in expected.items():
         assert torch.equal(saved[key], value), key
     ckpt.close()
+
+
+def test_a_twin_side_streams_thread_ends_with_its_stream(monkeypatch: pytest.MonkeyPatch):
+    """A twin stream's thread runs what was queued on it, and ends once nothing holds the
+    stream: a process that made many checkpointers keeps no thread for each."""
+    monkeypatch.setenv(ENV_DEVICE_TWIN, "1")
+    ops = device_ops()
+    before = set(threading.enumerate())
+    stream = ops.new_stream(torch.device("cpu"))
+    (thread,) = set(threading.enumerate()) - before
+    ran: list[int] = []
+    ops.copy(stream, lambda non_blocking: ran.append(1))
+    ops.record(stream).synchronize()
+    assert ran == [1] and thread.is_alive()
+    del stream
+    gc.collect()
+    thread.join(timeout=30)
+    assert not thread.is_alive()

@@ -22,6 +22,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -92,13 +93,29 @@ class _TwinEvent:
         self._done.wait()
 
 
+def _serve(work: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+    """A twin stream's thread: what is queued, in order, until the stream is collected."""
+    while True:
+        job = work.get()
+        if job is None:
+            return
+        try:
+            job()
+        except BaseException:  # noqa: BLE001 - a failed copy must not stop later events
+            logger.exception("a copy on the twin side stream failed")
+        del job  # (what it refers to may hold the stream)
+
+
 class _TwinStream:
     """A side stream's twin: one thread that runs what is queued on it, in order."""
 
     def __init__(self, delay: float) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._delay = delay
-        threading.Thread(target=self._run, name="procckpt-twin-stream", daemon=True).start()
+        threading.Thread(target=_serve, args=(self._queue,), name="procckpt-twin-stream",
+                         daemon=True).start()
+        # The thread holds the queue, not the stream: once the stream is gone, so is it.
+        weakref.finalize(self, self._queue.put, None)
 
     def put(self, work: Callable[[], None], *, copy: bool = False) -> None:
         delay = self._delay if copy else 0.0
@@ -109,14 +126,6 @@ class _TwinStream:
             work()
 
         self._queue.put(run)
-
-    def _run(self) -> None:
-        while True:
-            work = self._queue.get()
-            try:
-                work()
-            except BaseException:  # noqa: BLE001 - a failed copy must not stop later events
-                logger.exception("a copy on the twin side stream failed")
 
     def wait_stream(self, other: Any) -> None:
         """Work queued on the training "stream" of a CPU has run already."""
