@@ -33,6 +33,12 @@ os.environ.setdefault("PROCCKPT_AUDIT", "strict")
 # threads make that first call together (pytorch/pytorch#188792; docs/check.md).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Arrow (pyarrow 26.0.1) allocates through its bundled mimalloc 3.4.1, which registers no fork
+# handlers: a DataLoader worker forked while another thread is inside that allocator can take a
+# half-changed copy of it. Once in CI, under load, both workers of a loader over Parquet files
+# died of SIGSEGV at their first batch. The C library's allocator forks safely (docs/resume.md).
+os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
 # A warm restart's spare interpreter imports torch beside every run once it stepped: seconds
 # of a processor for each of the suite's hundreds of runs, few of which restart at all. The
 # tests of restarts after crashes (test_memory_tier.py, test_warm_restarts.py) turn it on.

@@ -143,9 +143,9 @@ def hugging_face_orders(directory: str, fmt: str) -> dict[str, Any]:
 @needs_datasets
 @pytest.mark.parametrize("fmt", ["json", "parquet"])
 def test_a_hugging_face_stream_read_by_two_workers_resumes_exactly(tmp_path: Path, fmt: str):
-    # The workers fork from a new process, as they do from a training script: a test process
-    # that ran other tests holds the threads they left (gloo's, the CPU twin's streams, tqdm's,
-    # Arrow's allocator's), and once in CI both workers forked among them died of SIGSEGV.
+    # The workers fork from a new process, as they do from a training script, not from a test
+    # process that holds the threads other tests left (gloo's, tqdm's, Arrow's), and Arrow
+    # allocates with the C library's allocator (conftest.py says why).
     code = ("import json, sys; from tests.test_shuffle_buffer import hugging_face_orders; "
             "print(json.dumps(hugging_face_orders(sys.argv[1], sys.argv[2])))")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path), fmt], cwd=REPO,
