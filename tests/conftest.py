@@ -131,8 +131,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int,
     count = config.getoption("durations", None)
     if count is None or not _ledger.wall:
         return
-    terminalreporter.write_sep("=", f"where the time of the slowest {count or 'all'} tests goes: "
-                               "processor seconds, theirs and their processes'")
+    which = f"the slowest {count} tests" if count else "the tests"
+    terminalreporter.write_sep("=", f"where the time of {which} goes: processor seconds, "
+                               "theirs and their processes'")
     for line in _ledger.lines(count):
         terminalreporter.write_line(line)
 

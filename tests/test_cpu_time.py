@@ -26,13 +26,13 @@ def test_the_summary_tells_waiting_from_computing_across_workers(tmp_path: Path)
     (tmp_path / "test_two.py").write_text(TESTS)
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-q",
                            "-p", "no:cacheprovider", "-n", "2", "--durations=0",
-                           str(tmp_path / "test_two.py")],
+                           "--rootdir", str(tmp_path), str(tmp_path / "test_two.py")],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {}
     for line in done.stdout.splitlines():
         fields = line.split()
-        if len(fields) == 4 and fields[3].startswith("test_two.py::"):
+        if len(fields) == 4 and "test_two.py::" in fields[3]:
             rows[fields[3].split("::")[1]] = (float(fields[0]), float(fields[1]))
     assert rows.keys() == {"test_waits", "test_computes_in_a_child"}, done.stdout[-3000:]
     wall, cpu = rows["test_waits"]
