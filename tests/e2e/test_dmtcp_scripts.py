@@ -1,7 +1,8 @@
 """The DMTCP engine on scripts shaped like real ones, with real DMTCP: a script that
 runs a subprocess now and then, one with DataLoader worker processes, and a stop that arrives
 while an interval image is being taken. Each either finishes identical to an uninterrupted run
-with every step once, or stops within two cycles with the one-line diagnosis."""
+with every step once (but those of a cycle whose image stalled), or stops within two cycles
+with the one-line diagnosis."""
 
 from __future__ import annotations
 
@@ -54,7 +55,14 @@ def test_a_script_that_runs_a_subprocess_every_25_steps_finishes_identical(workd
                           [*TORCH, "--step-sleep", "0.05", "--out",
                            str(workdir / "resumed.pt"), *extra], timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert steps(result.stdout) == list(range(1, 385)), result.stdout[-2000:]
+    # An image asked for while a `subprocess.run` is under way may stall (seen once in a loaded
+    # run: nothing written in 15 s); procckpt stops the command and goes on from the last image
+    # (StuckImages.stalled), so that cycle's steps run again. Every other step runs once.
+    printed = steps(result.stdout)
+    stalled = [e for e in events(ckpt) if e["event"] == "image-stuck"]
+    again = [i for i in range(1, len(printed)) if printed[i] <= printed[i - 1]]
+    assert sorted(set(printed)) == list(range(1, 385)), result.stdout[-2000:]
+    assert len(again) <= len(stalled), (again, stalled, result.stdout[-2000:])
     assert [e for e in events(ckpt) if e["event"] == "resume"], "never resumed from an image"
     assert_bit_identical(expected, workdir / "resumed.pt")
 
