@@ -23,7 +23,7 @@ from procckpt import ShuffleBuffer
 from procckpt.errors import ProcckptError
 from procckpt.training.position.loaders import stateful_source, usable_state
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import REPO
 
 needs_torchdata = pytest.mark.skipif(importlib.util.find_spec("torchdata") is None,
                                      reason="torchdata is not installed (its "
@@ -111,8 +111,6 @@ def test_a_resume_anywhere_in_the_epoch_goes_on_with_the_same_order(workers: int
 def hugging_face_orders(directory: str, fmt: str) -> dict[str, Any]:
     """Batch orders of a Hugging Face stream over four files, read whole and read with a stop
     after 3 and after 30 batches, each by two workers."""
-    import faulthandler
-
     import datasets
 
     datasets.disable_progress_bars()
@@ -134,7 +132,6 @@ def hugging_face_orders(directory: str, fmt: str) -> dict[str, Any]:
         stream = stream.map(lambda e: {"n": len(e["text"])}, remove_columns=["text"])
         return ShuffleBuffer(stream.with_format("torch"), size=20, seed=0)
 
-    faulthandler.enable()  # a worker that crashes prints where, past torch's own handler
     return {"whole": whole(make, 1, workers=2),
             **{str(n): interrupted(make, 1, n, workers=2) for n in (3, 30)}}
 
