@@ -152,6 +152,64 @@ def test_the_leader_says_what_runs_and_stops_every_node_when_a_follower_asks(tmp
     assert final["state"] == group.EXITED and final["code"] == 75
 
 
+@pytest.mark.parametrize("asked_at", [92.5, 93.5],
+                         ids=["a-look-before-its-exit", "with-its-exit"])
+def test_a_follower_asking_while_the_deadlines_stop_is_taken_ends_the_run_instead_of_a_restart(
+        tmp_path: Path, asked_at: float):
+    # The deadline's stop is asked at 90 and confirmed at 91; the command exits at 94. Node
+    # 1's pod gets its SIGTERM meanwhile (the failure of a slowed run of tests/e2e/test_pods.py:
+    # the leader restarted, and its next cycle waited for a node whose launcher had gone).
+    control = tmp_path / "ckpt" / "control"
+
+    def follower_asks() -> None:
+        group.ask_stop(control, group.read_leader(control)["token"], 1, "SIGTERM")
+
+    world, result, _ = supervise(tmp_path, [Cycle(step=10, exit_after_confirm=3.0), Cycle()],
+                                 interval=None, nodes_count=2, at={asked_at: follower_asks})
+    assert result.exit_code == 75 and result.reason is ExitReason.CHECKPOINTED, result.message
+    assert result.cycles == 1
+    assert [(round(t), action, reason) for t, action, reason in world.requests] == \
+        [(90, "stop", "deadline")]  # its one checkpoint serves both
+    events = read_events(world.store.events_path)
+    assert [(e["signal"], e["during"]) for e in events if e["event"] == "stop-signal"] == \
+        [("SIGTERM on node 1", "deadline")]
+    assert "restart" not in [e["event"] for e in events]
+    assert group.read_leader(control)["state"] == group.EXITED
+
+
+def test_a_follower_asking_as_a_cycle_ends_ends_the_run_before_the_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    said_between = group.LeaderBoard.between
+
+    def between_then_asked(board: group.LeaderBoard) -> None:
+        said_between(board)  # node 1's pod gets its SIGTERM as it reads this
+        group.ask_stop(board.dir, str(board.token), 1, "SIGTERM")
+
+    monkeypatch.setattr(group.LeaderBoard, "between", between_then_asked)
+    world, result, _ = supervise(tmp_path, [Cycle(step=10), Cycle()], interval=None,
+                                 nodes_count=2)
+    assert result.exit_code == 75 and result.reason is ExitReason.CHECKPOINTED, result.message
+    assert result.cycles == 1
+    assert result.message.startswith("stopped after SIGTERM on node 1, before a restart; "
+                                     "running the same command again "), result.message
+    events = read_events(world.store.events_path)
+    assert [(e["signal"], e["during"]) for e in events if e["event"] == "stop-signal"] == \
+        [("SIGTERM on node 1", "restart")]
+    assert "restart" not in [e["event"] for e in events]
+
+
+def test_a_signal_to_a_follower_between_two_cycles_asks_the_leader_to_stop(tmp_path: Path):
+    board = group.LeaderBoard(tmp_path / "ckpt" / "control", nodes=2)
+    result, parts, store = follow(tmp_path, {
+        1: lambda: board.running("t1", 1, {"PROCCKPT_TOKEN": "t1"}),
+        20: board.between,
+        40: lambda: board.exited(75, "stopped after SIGTERM on node 1, before a restart"),
+    }, exits_at=15, signals={25: signal.SIGTERM})
+    asked = group.stop_requests(store.control_dir, "t1")
+    assert [(a["node"], a["reason"]) for a in asked] == [(1, "SIGTERM")]
+    assert len(parts) == 1 and result.exit_code == 75, result.message
+
+
 def test_a_follower_says_it_lives_every_two_seconds_while_it_waits_and_runs(tmp_path: Path):
     board = group.LeaderBoard(tmp_path / "ckpt" / "control", nodes=2)
     seen: list[object] = []

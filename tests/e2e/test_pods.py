@@ -129,15 +129,22 @@ def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
     procs[1].send_signal(signal.SIGTERM)
     codes = wait_all(procs, timeout=120)
     assert codes == [75, 75], logs(workdir)
-    stops = [e for e in events() if e["event"] == "trigger" and e["action"] == "stop"]
-    assert stops[-1]["reason"] == "SIGTERM on node 1", stops
+    # The stop was asked for the SIGTERM; or, where it fell into the stop at the time limit
+    # (a slow start leaves little of a cycle), that stop's checkpoint served it too and the
+    # run ended instead of restarting.
+    seen = events()
+    stops = [e for e in seen if e["event"] == "trigger" and e["action"] == "stop"]
+    kept = [e["signal"] for e in seen if e["event"] == "stop-signal"]
+    assert stops[-1]["reason"] == "SIGTERM on node 1" or kept == ["SIGTERM on node 1"], \
+        (stops, kept)
     confirmed = [e for e in events() if e["event"] == "confirmed"]
     assert confirmed and confirmed[-1]["checkpoint"], confirmed
     # Every rank's state is in the checkpoint the stop left, node 1's too.
     newest = ckpt / "checkpoints" / confirmed[-1]["checkpoint"]
     assert (newest / "rank-00001.pt").is_file(), sorted(p.name for p in newest.iterdir())
     node1 = (workdir / "node1.log").read_text()
-    assert "asking node 0 for a checkpoint, then a stop of every node" in node1
+    assert "asking node 0 for a checkpoint, then a stop of every node" in node1 or \
+        "no cycle runs here; asking node 0 to stop every node" in node1, node1
 
     # New pods: both launchers again. Node 1 must not take node 0's old exit for its own.
     codes = wait_all(launchers(workdir, ckpt, out), timeout=300)

@@ -174,12 +174,26 @@ class Follower(RunLoop):
             return
         self.stopped_by = name
         if token is None:
-            logger.info("node %d: %s: no cycle runs here; exiting", self.node, name)
+            leader = group.read_leader(self.store.control_dir) or {}
+            if leader.get("state") in (group.RUNNING, group.BETWEEN) and leader.get("token") \
+                    and str(leader.get("launch")) in self._launches:
+                # Between two cycles (or before this node's part of one started): node 0 must
+                # not go on with a cycle this node's ranks will not join.
+                logger.info("node %d: %s: no cycle runs here; asking node 0 to stop every "
+                            "node", self.node, name)
+                self._ask_stop(str(leader["token"]), name, None)
+            else:
+                logger.info("node %d: %s: no cycle runs here; exiting", self.node, name)
             return
         # The ranks here stop with the others once node 0 has asked them for the checkpoint;
         # a signal to them directly would cut their part of the checkpoint short.
         logger.info("node %d: %s: asking node 0 for a checkpoint, then a stop of every node",
                     self.node, name)
+        self._ask_stop(token, name, child)
+
+    def _ask_stop(self, token: str, name: str, child: Child | None) -> None:
+        """Ask node 0 to checkpoint and stop cycle ``token`` on every node; where that cannot
+        be written, stop this node's part of the command (``child``) here."""
         try:
             group.ask_stop(self.store.control_dir, token, self.node, name)
         except OSError as e:

@@ -21,6 +21,7 @@ from pathlib import Path
 from ..durations import format_duration
 from ..errors import EX_AUDIT, EX_DATAERR, EX_IOERR, EX_USAGE
 from ..protocol import control as ctl
+from ..protocol import group
 from ..protocol.events import append_event
 from ..protocol.group import LeaderBoard
 from ..store import CheckpointStore
@@ -145,6 +146,10 @@ class Supervisor(RunLoop):
                                "steps, so hangs go undetected", self.engine.name)
             self.hangs.setting = None
         while True:
+            # (Also after a failure's back-off, which a pod's SIGTERM may fall into.)
+            asked = self._stop_asked_between_cycles() if self.cycles else None
+            if asked is not None:
+                return asked
             self.cycles += 1
             outcome = self._run_cycle(restarts)
             if self.tier is not None:
@@ -185,10 +190,25 @@ class Supervisor(RunLoop):
                 restarts += 1
                 continue
             if step.action is Action.RESTART:
+                asked = self._stop_asked_between_cycles()
+                if asked is not None:
+                    return asked
                 restarts += 1
                 self._restarting(step, outcome, restarts, progress, verdict_message)
                 continue
             return self._ending(step, outcome, verdict_message, stalled, restarts)
+
+    def _stop_asked_between_cycles(self) -> RunResult | None:
+        """The run's end, when another node's launcher asked every node to stop (its pod's
+        SIGTERM) after the last cycle's last look: that node would not join the next cycle,
+        which would wait for its ranks until the node is taken for lost. None otherwise."""
+        asked = group.stop_name(self.board.stop_requests()) if self.board is not None else None
+        if asked is None:
+            return None
+        append_event(self.store.events_path, "stop-signal", signal=asked, during="restart",
+                     cycle=self.cycles)
+        return self._exit(ExitReason.CHECKPOINTED, f"stopped after {asked}, before a restart; "
+                          f"running the same command again {resumes_from(self.store)}")
 
     def _restarting(self, step: Step, outcome: CycleOutcome, restarts: int,
                     progress: int | None, verdict: str) -> None:

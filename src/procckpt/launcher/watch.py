@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..durations import format_duration
+from ..protocol import group
 from ..protocol.control import AUDIT_REFUSED
 from ..protocol.events import append_event
 from ..store import CheckpointStore
@@ -132,6 +133,8 @@ class CycleWatch:
                     self.on_look(self.hangs.last_step)
             else:
                 child.kill_leftovers()
+                if self.stop is not None:  # asked on another node after the last look
+                    self._on_peer_stop(self.clock())
             if rc is not None:
                 self.outcome.exit_code = rc
                 return self.outcome
@@ -220,14 +223,20 @@ class CycleWatch:
 
     def _on_peer_stop(self, now: float) -> None:
         """Another node's launcher was asked to stop (its pod's SIGTERM): every node
-        checkpoints, then stops, as after a SIGTERM here."""
-        if self.stop is not None or self.peer_stops is None:
+        checkpoints, then stops, as after a SIGTERM here. Asked while the deadline's stop is
+        being taken, its one checkpoint serves both, and the run ends instead of restarting:
+        that node's launcher is gone and would not join the next cycle."""
+        if self.peer_stops is None or self.outcome.stop_cause is StopCause.SIGNAL:
             return
-        asked = self.peer_stops()
-        if asked:
-            name = f"{asked[0].get('reason')} on node {asked[0].get('node')}"
+        name = group.stop_name(self.peer_stops())
+        if name is None:
+            return
+        if self.stop is None:
             self.outcome.stop_cause, self.outcome.stop_signal = StopCause.SIGNAL, name
             self._begin_stop(name, now)
+        else:
+            self._keep_stop(name, f"{name}: a checkpoint is already being taken before the "
+                            "stop; every node stops after it")
 
     def _on_unheard_peers(self) -> None:
         """Say once a cycle which nodes' launchers never started: their ranks are waited for."""

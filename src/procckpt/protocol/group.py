@@ -39,8 +39,8 @@ from typing import Any
 from .control import read_json, read_json_files, write_json
 
 __all__ = ["LEADER_FILE", "RUNNING", "BETWEEN", "EXITED", "LeaderBoard", "SilentNode",
-           "read_leader", "ask_stop", "stop_requests", "beat", "read_beats", "BEAT_EVERY",
-           "NODE_SILENT"]
+           "read_leader", "ask_stop", "stop_requests", "stop_name", "beat", "read_beats",
+           "BEAT_EVERY", "NODE_SILENT"]
 
 LEADER_FILE = "leader.json"
 STOP_PREFIX = "stop-"
@@ -186,3 +186,10 @@ def read_beats(control_dir: Path) -> dict[int, Any]:
 def stop_requests(control_dir: Path, token: str) -> list[dict[str, Any]]:
     """What followers asked of cycle ``token``, by node."""
     return [r for r in read_json_files(control_dir, STOP_PREFIX) if r.get("token") == token]
+
+
+def stop_name(requests: list[dict[str, Any]]) -> str | None:
+    """The first of ``requests`` (:func:`stop_requests`) in words ("SIGTERM on node 1")."""
+    if not requests:
+        return None
+    return f"{requests[0].get('reason')} on node {requests[0].get('node')}"
