@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, PYTHON, assert_bit_identical, procckpt_argv, run
-from ..harness.processes import stopped_once
+from ..harness.processes import cycles_stopped_at, joined, stopped_once
 from ..harness.s3_server import FlakyProxy, bucket, free_port, moto_server, s3_env
 from .test_frameworks import command, events, needs
 
@@ -89,29 +89,29 @@ def reference(workdir: Path, *args: str) -> Path:
 
 
 @pytest.mark.parametrize("launch", ["python", "torchrun"])
-def test_time_limit_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path, endpoint,
-                                                                  launch: str):
+def test_stopped_cycles_on_s3_end_bit_identical_keeping_n_there(workdir: Path, endpoint,
+                                                                launch: str):
     """Under torchrun (DDP, 2 gloo ranks) rank 0 publishes; both ranks of a resumed cycle
     share the node's local dir, where the first to fetch a checkpoint places it."""
     command = [PYTHON] if launch == "python" else [
         PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    # As tests/e2e/test_frozen_base.py: three cycles at least, alone or under torchrun.
-    epochs, sleep, limit = ("15", "0.12", "15s") if launch == "python" else ("10", "0.25", "20s")
+    # As tests/e2e/test_frozen_base.py: three cycles, each but the last stopped (SIGUSR1)
+    # once the training reached a step, alone or under torchrun; periodic checkpoints too.
+    epochs, sleep, stops = ("15", "0.12", [60, 150]) if launch == "python" else \
+        ("10", "0.25", [40, 100])
     expected = workdir / "reference.pt"
     ref = run([*command, str(SCRIPT), "--epochs", epochs, "--out", str(expected)], cwd=workdir,
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")})
     assert ref.returncode == 0, ref.stderr[-3000:]
     out, prefix = workdir / "out.pt", f"cycles-{launch}"
-    res = run([*procckpt_argv(), "run", "--dir", f"s3://{BUCKET}/{prefix}", "--keep", "2",
-               "--time-limit", limit, "--grace", "4s", "--interval", "2s", "--engine", "hooks",
-               "--max-restarts", "40", "--", *command, str(SCRIPT), "--epochs", epochs,
-               "--step-sleep", sleep, "--out", str(out)],
-              cwd=workdir, env=s3_env(endpoint), timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
     local = workdir / "procckpt-local" / BUCKET / prefix
+    res = joined(cycles_stopped_at(
+        ["--dir", f"s3://{BUCKET}/{prefix}", "--keep", "2", "--grace", "4s", "--interval", "2s",
+         "--engine", "hooks", "--", *command, str(SCRIPT), "--epochs", epochs, "--step-sleep",
+         sleep, "--out", str(out)], workdir, local, stops, env=s3_env(endpoint), timeout=900))
     assert f"checkpoints go to s3://{BUCKET}/{prefix}; the lock, control channel and journal " \
            f"stay in {local}" in res.stderr, res.stderr[-3000:]
-    assert len([e for e in events(local, "restart") if e["cause"] == "deadline"]) >= 2
+    assert len(events(local, "resume")) == len(stops), res.stderr[-3000:]
     assert_bit_identical(expected, out)
     remote = manifests(endpoint, prefix)
     assert len(remote) == 2, sorted(remote)  # --keep 2, there as here

@@ -4,6 +4,7 @@ tiny program alone for the uninterrupted reference, and check a one-line error."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -78,6 +79,47 @@ def stopped_once(args: list[str], cwd: Path, ready: Callable[[], bool],
                 proc.kill()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(),
                                        err.read_text())
+
+
+def heartbeat_step(ckpt: Path, since: float = 0.0) -> int | None:
+    """The step the training of checkpoint dir ``ckpt`` last told its launcher of (rank 0's
+    heartbeat, about every second), if it did so after ``since`` (wall-clock)."""
+    path = ckpt / "control" / "heartbeat.json"
+    try:
+        if path.stat().st_mtime < since:
+            return None
+        return int(json.loads(path.read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def cycles_stopped_at(args: list[str], cwd: Path, local: Path, steps: list[int],
+                      env: dict[str, str] | None = None, timeout: float = 600,
+                      ) -> list[subprocess.CompletedProcess[str]]:
+    """``procckpt run ARGS`` (ARGS with its ``--dir``) run again after each stop, as a job
+    requeued after its time limit: the n-th run is sent SIGUSR1 (checkpoint, then stop) once
+    its training has reached step ``steps[n]`` (the heartbeat in ``local``, the run's local
+    dir), the last one trains to the end. A stop waits for the training to step, so a slow
+    start (two ranks importing a framework on a loaded machine) makes a cycle longer, never
+    one without a checkpoint. Each stopped run must exit 75, the last one 0."""
+    results = []
+    for step in steps:
+        started = time.time()
+        res = stopped_once(args, cwd, lambda step=step, started=started:
+                           (heartbeat_step(local, started) or -1) >= step,
+                           env=env, timeout=timeout)
+        assert res.returncode == 75, res.stderr[-4000:]
+        results.append(res)
+    res = run([*procckpt_argv(), "run", *args], cwd=cwd, env=env, timeout=timeout)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return [*results, res]
+
+
+def joined(runs: list[subprocess.CompletedProcess[str]]) -> subprocess.CompletedProcess[str]:
+    """The runs of :func:`cycles_stopped_at` as one: their outputs in order, the last code."""
+    return subprocess.CompletedProcess(runs[-1].args, runs[-1].returncode,
+                                       "".join(r.stdout for r in runs),
+                                       "".join(r.stderr for r in runs))
 
 
 def reference(workdir: Path, *args: str) -> Path:
