@@ -4,7 +4,6 @@ tiny program alone for the uninterrupted reference, and check a one-line error."
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from procckpt.protocol.control import read_json
 from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
@@ -84,12 +84,10 @@ def stopped_once(args: list[str], cwd: Path, ready: Callable[[], bool],
 def heartbeat_step(ckpt: Path, since: float = 0.0) -> int | None:
     """The step the training of checkpoint dir ``ckpt`` last told its launcher of (rank 0's
     heartbeat, about every second), if it did so after ``since`` (wall-clock)."""
-    path = ckpt / "control" / "heartbeat.json"
+    beat = read_json(ckpt / "control", "heartbeat.json") or {}
     try:
-        if path.stat().st_mtime < since:
-            return None
-        return int(json.loads(path.read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
+        return int(beat["step"]) if float(beat["time"]) >= since else None
+    except (KeyError, TypeError, ValueError):
         return None
 
 

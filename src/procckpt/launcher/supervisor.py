@@ -146,10 +146,6 @@ class Supervisor(RunLoop):
                                "steps, so hangs go undetected", self.engine.name)
             self.hangs.setting = None
         while True:
-            # (Also after a failure's back-off, which a pod's SIGTERM may fall into.)
-            asked = self._stop_asked_between_cycles() if self.cycles else None
-            if asked is not None:
-                return asked
             self.cycles += 1
             outcome = self._run_cycle(restarts)
             if self.tier is not None:
@@ -184,7 +180,9 @@ class Supervisor(RunLoop):
             if step.action is Action.NODE_LOSS:
                 return self._after_node_loss(outcome.lost_nodes, restarts)
             if step.action is Action.UNREQUESTED:
-                result = self._after_unrequested_exit(outcome, restarts)
+                # (A pod's SIGTERM may also fall into the failure's back-off there.)
+                result = self._after_unrequested_exit(outcome, restarts) \
+                    or self._stop_asked_between_cycles()
                 if result is not None:
                     return result
                 restarts += 1
