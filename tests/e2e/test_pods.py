@@ -19,6 +19,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -32,10 +33,23 @@ from .test_torchrun import DDP, SHAPE, TORCHRUN, assert_same_run, uninterrupted
 # One worker runs the module, so that its uninterrupted reference is computed once.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("pods")]
 
-ARGS = [*SHAPE, "--sleep", "0.9"]
+#: The uninterrupted two-rank run (two workers importing torch, 48 quick steps) took 9-13 s
+#: in quiet and loaded runs of the whole suite, where a 24-s cycle always trained.
+QUIET_REFERENCE_SECONDS = 11.0
 
 
-def launchers(workdir: Path, ckpt: Path, out: Path, *extra: str) -> list[subprocess.Popen]:
+@dataclass(frozen=True)
+class Reference:
+    out: Path  # the uninterrupted run's weights
+    pace: float  # how many times slower than quiet this machine starts two ranks now, >= 1
+
+    def seconds(self, quiet: float) -> str:
+        """``quiet`` seconds of the test's clock (a time limit, a step's sleep) at this pace."""
+        return f"{quiet * self.pace:.1f}"
+
+
+def launchers(workdir: Path, ckpt: Path, out: Path, *extra: str,
+              sleep: str = "0.9") -> list[subprocess.Popen]:
     """Node 0's and node 1's launcher, as two pods would start them."""
     port = free_port()
     procs = []
@@ -43,7 +57,7 @@ def launchers(workdir: Path, ckpt: Path, out: Path, *extra: str) -> list[subproc
         argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--nodes", "2", "--node-rank",
                 str(node), *extra, "--", TORCHRUN, "--nnodes=2", f"--node-rank={node}",
                 "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}",
-                str(DDP), *ARGS, "--out", str(out)]
+                str(DDP), *SHAPE, "--sleep", sleep, "--out", str(out)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("PROCCKPT_TOKEN", None)
         log = (workdir / f"node{node}.log").open("a")
@@ -75,8 +89,10 @@ def logs(workdir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return uninterrupted(tmp_path_factory.mktemp("pods-ref"), DDP, SHAPE, "reference")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    started = time.monotonic()
+    out = uninterrupted(tmp_path_factory.mktemp("pods-ref"), DDP, SHAPE, "reference")
+    return Reference(out, max(1.0, (time.monotonic() - started) / QUIET_REFERENCE_SECONDS))
 
 
 def descendants(pid: int) -> list[int]:
@@ -108,11 +124,15 @@ def kill_node(launcher: subprocess.Popen) -> None:
 
 
 def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
-        workdir: Path, reference: Path):
+        workdir: Path, reference: Reference):
     ckpt, out = workdir / "ckpt", workdir / "resumed"
     events = journal(ckpt)
-    procs = launchers(workdir, ckpt, out, "--time-limit", "24s", "--grace", "5s",
-                      "--max-restarts", "30")
+    # Cycles of 24 s (19 s before the stop) and steps of 0.9 s on a quiet machine, both
+    # stretched as the machine is slower: the ranks' start (two nodes, 15-30 s on a slowed
+    # machine) always leaves a cycle time to train, and the run (43 steps' sleeps) always
+    # outlasts its first cycle.
+    procs = launchers(workdir, ckpt, out, "--time-limit", reference.seconds(24), "--grace",
+                      "5s", "--max-restarts", "30", sleep=reference.seconds(0.9))
     # Once the leader restarted the group at its limit and the new cycle checkpointed,
     # SIGTERM node 1's launcher, as Kubernetes does to a pod it takes away.
     deadline = time.monotonic() + 240
@@ -151,11 +171,11 @@ def test_two_launchers_follow_one_run_and_a_sigterm_to_either_checkpoints_both(
     assert codes == [0, 0], logs(workdir)
     assert events()[-1]["event"] == "exit" and events()[-1]["reason"] == "finished"
     assert "ChildFailedError" not in logs(workdir)
-    assert_same_run(reference, out)
+    assert_same_run(reference.out, out)
 
 
 def test_a_node_lost_mid_run_is_told_from_a_bug_and_the_run_resumes_from_its_periodic_checkpoint(
-        workdir: Path, reference: Path):
+        workdir: Path, reference: Reference):
     ckpt, out = workdir / "ckpt", workdir / "resumed"
     events = journal(ckpt)
     procs = launchers(workdir, ckpt, out, "--interval", "8s", "--max-restarts", "5")
@@ -186,4 +206,4 @@ def test_a_node_lost_mid_run_is_told_from_a_bug_and_the_run_resumes_from_its_per
     resumes = [e for e in events() if e["event"] == "resume" and e["time"] > lost_at]
     assert resumes and resumes[0]["checkpoint"] == newest["checkpoint"], (resumes, newest)
     assert events()[-1]["event"] == "exit" and events()[-1]["reason"] == "finished"
-    assert_same_run(reference, out)
+    assert_same_run(reference.out, out)
