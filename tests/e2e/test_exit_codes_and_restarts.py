@@ -91,8 +91,10 @@ def test_a_restart_after_a_crash_is_timed_phase_by_phase(workdir: Path):
 
 
 def test_restart_count_reaches_the_command(workdir: Path):
-    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "10s", "--grace", "3s",
-                  "--", *TINY, "--epochs", "2", "--n", "256", "--step-sleep", "0.5"],
+    # 32 steps of 0.5 s (16 s) against cycles that train 13 s less their start (1-10 s,
+    # quiet to slowed): two cycles or more, each with time to train.
+    result = run([*procckpt_argv(), "run", "--dir", "c", "--time-limit", "16s", "--grace", "3s",
+                  "--", *TINY, "--epochs", "4", "--n", "256", "--step-sleep", "0.5"],
                  cwd=workdir, timeout=300)
     assert result.returncode == 0, result.stderr
     starts = [line for line in result.stdout.splitlines() if line.startswith("start step")]

@@ -128,12 +128,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(workdir: Pat
     workers = ("--workers", "2")  # DataLoader worker processes, here
     expected = reference(workdir, framework, *workers)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # A first cycle with periodic checkpoints, stopped at its time limit and not restarted.
-    first = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
-                 "--grace", "4s", "--interval", "1s", "--max-restarts", "0", "--",
-                 *command(framework, *workers, "--step-sleep", "0.35", "--out", str(out))],
-                cwd=workdir, timeout=300)
-    assert not out.exists(), first.stderr[-3000:]
+    # A first run with periodic checkpoints, stopped (SIGUSR1) after two of them.
+    first = stopped_once(["--dir", str(ckpt), "--interval", "1s", "--",
+                          *command(framework, *workers, "--step-sleep", "0.35", "--out",
+                                   str(out))], workdir,
+                         lambda: len(events(ckpt, "checkpoint")) >= 2, timeout=300)
+    assert first.returncode == 75 and not out.exists(), first.stderr[-3000:]
     saved = sorted((ckpt / "checkpoints").glob("ckpt-*"))
     assert len(saved) >= 2, first.stderr[-3000:]
     newest, previous = saved[-1], saved[-2]
@@ -246,16 +246,15 @@ def test_accelerate_with_gradient_accumulation_checks_exact_and_resumes_bit_iden
                                       f"{stopped}, "), done.stdout
         assert (f"asked to stop at step {at}, the run could take its checkpoint only at step "
                 f"{stopped}" in done.stdout) == (at != stopped), done.stdout
-    # 80 steps of 0.5 s (40 s) against cycles that train at most 16.5 s: at least two
-    # deadline restarts however quickly the machine starts Accelerate.
+    # 80 micro-batches in 4 epochs, stopped (SIGUSR1, then run again) three times: a stop
+    # that comes inside a window waits for its end.
     expected = reference(workdir, "accelerate", "--accumulate", "2", "--epochs", "4")
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
-               "--grace", "4s", "--max-restarts", "40", "--",
-               *command("accelerate", "--accumulate", "2", "--epochs", "4", "--step-sleep",
-                        "0.5", "--out", str(out))], cwd=workdir, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
+    cycles_stopped_at(["--dir", str(ckpt), "--grace", "4s", "--",
+                       *command("accelerate", "--accumulate", "2", "--epochs", "4",
+                                "--step-sleep", "0.5", "--out", str(out))],
+                      workdir, ckpt, [9, 30, 51])
+    assert len(events(ckpt, "resume")) == 3
     saved = [e["step"] for e in events(ckpt, "checkpoint")]
     assert saved and all(step % 2 == 0 for step in saved), saved  # never inside a window
     assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")

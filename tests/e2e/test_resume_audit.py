@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
-from ..harness.processes import events, stopped_once
+from ..harness.processes import cycles_stopped_at, events, heartbeat_step, stopped_once
 from .test_torchrun import TORCHRUN
 
 AUDITED = [PYTHON, str(PROGRAMS / "audit_train.py")]
@@ -132,12 +132,12 @@ def test_lightning_over_a_stream_made_in_process_with_a_random_transform_resumes
               env={"PROCCKPT_DIR": str(workdir / "ref-ckpt")}, timeout=600)
     assert ref.returncode == 0, ref.stderr[-3000:]
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
-               "4s", "--max-restarts", "40", "--audit", "strict", "--", PYTHON, str(STREAMED),
-               *args, "--step-sleep", "0.15", "--out", str(out)], cwd=workdir, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
+    # 2 epochs of 100 steps, stopped (then run again) in the middle of each.
+    cycles_stopped_at(["--dir", str(ckpt), "--grace", "4s", "--audit", "strict", "--", PYTHON,
+                       str(STREAMED), *args, "--step-sleep", "0.15", "--out", str(out)],
+                      workdir, ckpt, [30, 130], timeout=900)
     verdicts = [e["verdict"] for e in events(ckpt, "audit")]
-    assert "same" in verdicts and set(verdicts) <= {"same", "unrecorded"}, verdicts
+    assert verdicts == ["same", "same"], verdicts
     assert_bit_identical(expected, out)
 
 
@@ -190,17 +190,18 @@ def test_a_framework_resume_whose_batches_changed_is_stopped_by_strict(workdir: 
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed")
     ckpt = workdir / "ckpt"
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
-               "--grace", "4s", "--audit", "strict", "--", PYTHON, str(STREAMED),
-               "--framework", framework, "--step-sleep", "0.15", "--corrupt-on-resume"],
-              cwd=workdir, timeout=600)
+    argv = ["--dir", str(ckpt), "--grace", "4s", "--audit", "strict", "--", PYTHON,
+            str(STREAMED), "--framework", framework, "--step-sleep", "0.15",
+            "--corrupt-on-resume"]
+    # Stopped in the middle of epoch 0 (100 steps), as before a Slurm time limit; run again.
+    first = stopped_once(argv, workdir, lambda: (heartbeat_step(ckpt) or -1) >= 30,
+                         timeout=600)
+    assert first.returncode == 75, first.stderr[-4000:]
+    res = run([*procckpt_argv(), "run", *argv], cwd=workdir, timeout=600)
     assert res.returncode == 66, res.stderr[-4000:]
     assert len(audit_lines(res.stderr)) == 1, res.stderr[-4000:]
-    # A stop at an epoch's end records nothing (the next pass is not open): such a resume
-    # goes on, and the next one is caught.
-    verdicts = [e["verdict"] for e in events(ckpt, "audit")]
-    assert verdicts[-1] == "refused" and set(verdicts[:-1]) <= {"unrecorded"}, verdicts
-    assert len(events(ckpt, "cycle")) == len(verdicts) + 1
+    assert [e["verdict"] for e in events(ckpt, "audit")] == ["refused"]
+    assert len(events(ckpt, "cycle")) == 2
 
 
 @pytest.mark.parametrize("shape", ["dataclass", "sparse", "nested", "setkeys"])

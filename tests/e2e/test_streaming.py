@@ -37,15 +37,13 @@ def reference(workdir: Path, *args: str) -> Path:
 
 def interrupted(workdir: Path, *args: str) -> tuple[Path, str]:
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
-    # 200 steps of at least 0.2 s (40 s); a 20 s cycle with a 4 s grace trains for 16 s at
-    # most, however quickly it starts: two never finish.
-    res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
-               "--grace", "4s", "--max-restarts", "40", "--",
-               PYTHON, str(SCRIPT), *SMALL, *args, "--step-sleep", "0.2", "--out", str(out)],
-              cwd=workdir, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert len([e for e in events(ckpt, "restart") if e["cause"] == "deadline"]) >= 2
-    assert [e for e in events(ckpt, "resume") if e["batch"] > 0], events(ckpt, "resume")
+    # 2 epochs of 100 steps, stopped (SIGUSR1, then run again) three times: in each epoch's
+    # middle and near epoch 0's end.
+    res = joined(cycles_stopped_at(["--dir", str(ckpt), "--grace", "4s", "--", PYTHON,
+                                    str(SCRIPT), *SMALL, *args, "--step-sleep", "0.2", "--out",
+                                    str(out)], workdir, ckpt, [30, 70, 130], timeout=900))
+    resumes = events(ckpt, "resume")
+    assert len(resumes) == 3 and all(e["batch"] > 0 for e in resumes), resumes
     return out, res.stderr
 
 
