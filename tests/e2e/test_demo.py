@@ -1,11 +1,12 @@
-"""README's demo shows a run interrupted by its time limit, restarted and finished,
-in under two minutes on a 2-core machine."""
+"""README's demo shows a run interrupted by its time limit, restarted and finished. (How long
+it takes is the machine's: 39 s on a quiet 2-core one; a fresh-clone run of the suite
+in a cgroup of 1.4 CPUs, where each start took 8-11 s, took 205 s with the demo's earlier
+15-s cycles. The run's timeout bounds it here.)"""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 from ..conftest import EXAMPLES, run
@@ -14,9 +15,7 @@ from ..conftest import EXAMPLES, run
 def test_demo_interrupts_restarts_and_finishes(workdir: Path):
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "TMPDIR": str(workdir)}
-    started = time.monotonic()
     result = run(["bash", str(EXAMPLES / "demo.sh")], cwd=workdir, env=env, timeout=300)
-    elapsed = time.monotonic() - started
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "asking for a checkpoint then stop (deadline)" in output
@@ -24,4 +23,3 @@ def test_demo_interrupts_restarts_and_finishes(workdir: Path):
     assert "resumed from ckpt-" in output
     assert "training finished" in output
     assert "state:          finished" in result.stdout  # procckpt status at the end
-    assert elapsed < 120, f"the demo took {elapsed:.0f}s"
