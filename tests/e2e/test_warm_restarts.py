@@ -18,7 +18,7 @@ from ..harness.processes import events
 
 WARM = {"PROCCKPT_WARM_RESTARTS": "1", "WARM_TEST_VAR": "from the user's shell"}
 SAME = ("argv", "orig_argv", "file", "name", "path0", "cwd", "var", "executable", "sigint",
-        "sigterm")
+        "sigterm", "undrawn", "threads")
 
 
 def _reference(workdir: Path) -> Path:
@@ -58,6 +58,7 @@ def test_a_restart_after_a_crash_starts_warm_and_the_script_cannot_tell(workdir:
     assert [life["preloaded"] for life in said] == [False, True, True], done.stderr[-3000:]
     for key in SAME:
         assert len({json.dumps(life[key]) for life in said}) == 1, (key, said)
+    assert said[0]["undrawn"] is True, said[0]
     cycles = events(ckpt, "cycle")
     assert [c.get("warm", False) for c in cycles] == [False, True, True], cycles
     # Each life leads no group of its own: it is in its keeper's, as a cold start is.

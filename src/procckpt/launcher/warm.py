@@ -47,8 +47,9 @@ _PER_CYCLE = frozenset({ctl.ENV_TOKEN, ctl.ENV_RESTART, ctl.ENV_CYCLE, ctl.ENV_R
 
 #: Run by the spare: ``python [flags] -c BOOTSTRAP FD PATH0``. Standard library only until
 #: torch, which it imports as the script would (and what the first optimizer step imports).
-#: While it waits, procckpt's training side touches memory for the restore's copies
-#: (training/state/reserve.py).
+#: Then procckpt's training side rehearses a restore in miniature, so that the first calls of
+#: a restore are paid (training/state/rehearsal.py), and while it waits touches memory for the
+#: restore's copies (training/state/reserve.py).
 BOOTSTRAP = """\
 import os, sys
 _fd, sys.path[0] = int(sys.argv[1]), sys.argv[2]
@@ -61,9 +62,11 @@ try:
 except Exception:
     pass
 try:
+    from procckpt.training.state.rehearsal import rehearse
     from procckpt.training.state.reserve import wait_readable
+    rehearse()
     wait_readable(_fd)
-    del wait_readable
+    del rehearse, wait_readable
 except Exception:
     pass
 _chunks = []

@@ -18,6 +18,13 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+#: Whether the default random stream is where its seed put it, and the threads, as the script
+#: finds them: a spare's imports and its rehearsed restore (training/state/rehearsal.py) must
+#: leave both as a cold start has them.
+UNDRAWN = torch.equal(torch.Generator().manual_seed(torch.initial_seed()).get_state(),
+                      torch.get_rng_state())
+THREADS = len(os.listdir("/proc/self/task"))
+
 import procckpt  # noqa: E402
 
 
@@ -35,7 +42,8 @@ def main() -> None:
             "restart": os.environ.get("PROCCKPT_RESTART"), "preloaded": PRELOADED,
             "executable": sys.executable, "pid": os.getpid(), "pgid": os.getpgid(0),
             "sigint": str(signal.getsignal(signal.SIGINT)),
-            "sigterm": str(signal.getsignal(signal.SIGTERM))}
+            "sigterm": str(signal.getsignal(signal.SIGTERM)), "undrawn": UNDRAWN,
+            "threads": THREADS}
     lives = _note(Path(args.lives), life)
     torch.manual_seed(0)
     model = nn.Linear(8, 1)

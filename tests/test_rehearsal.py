@@ -1,0 +1,54 @@
+"""training/state/rehearsal.py: the restore a warm restart's spare rehearses while it waits
+leaves nothing a script could see (issue 55)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from procckpt.training.state.rehearsal import rehearse
+
+#: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
+pytestmark = pytest.mark.unit
+
+
+def _tasks() -> int:
+    """The threads of this process the kernel sees (Python's and native ones)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_rehearsal_restores_and_leaves_no_trace(tmp_path: Path):
+    rng, tasks, threads = torch.get_rng_state(), _tasks(), threading.active_count()
+    assert rehearse(str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # its checkpoint dir is gone
+    assert torch.equal(torch.get_rng_state(), rng)  # no random stream was drawn
+    assert (_tasks(), threading.active_count()) == (tasks, threads)  # the checksum's joined
+
+
+def test_a_rehearsal_that_cannot_write_is_skipped_without_a_word(tmp_path: Path, caplog):
+    """A temporary directory it cannot use: False, nothing raised, nothing said above debug
+    (the spare's restore then pays its first calls, as a cold start does)."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    caplog.set_level("INFO", logger="procckpt")
+    assert not rehearse(str(not_a_dir))
+    assert caplog.text == ""
+
+
+
+def test_a_rehearsal_leaves_the_region_for_the_restore_alone(tmp_path: Path):
+    """Once the memory for the restore is touched (reserve.py), a rehearsal would carve from
+    it and give the rest back: it declines, and the region stays whole."""
+    from procckpt.training.state import reserve
+
+    assert reserve.prepare(1 << 20)
+    try:
+        held, carved = reserve.held(), reserve.carved()
+        assert not rehearse(str(tmp_path))
+        assert (reserve.held(), reserve.carved()) == (held, carved)
+    finally:
+        reserve.release()
