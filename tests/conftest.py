@@ -4,6 +4,7 @@ its end, procckpt's argv, bit-for-bit comparison, a fresh working directory, a t
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -43,6 +44,16 @@ os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 # of a processor for each of the suite's hundreds of runs, few of which restart at all. The
 # tests of restarts after crashes (test_memory_tier.py, test_warm_restarts.py) turn it on.
 os.environ.setdefault("PROCCKPT_WARM_RESTARTS", "0")
+
+# A DataLoader's workers forked from a test process inherit what the module's earlier tests
+# left unreachable; a garbage collection in a worker then runs those objects' destructors, and
+# one that ends a native thread of the parent's (which the child does not have) throws
+# std::system_error and aborts it. Once, in a quiet fresh-clone run (bfde18e), a worker of
+# test_shuffle_buffer.py died so ("terminate called after throwing an instance of
+# 'std::system_error'", its stack in a collection). So each test process collects its garbage
+# before it forks, where those threads still exist; a fork for a command (subprocess) runs no
+# such hook. A training script forks its workers from a process of its own.
+os.register_at_fork(before=gc.collect)
 
 
 QUICK = Path(__file__).parent / "quick.txt"
