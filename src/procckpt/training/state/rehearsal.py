@@ -1,14 +1,12 @@
 """A restore rehearsed in miniature by a warm restart's spare interpreter while it waits.
 
 A process's first restore pays for more than its bytes: the first ``torch.load`` with
-``weights_only`` builds its allow-list and reaches the zip reader for the first time, the
-first checksum of a mapping reads ``/proc/self/maps`` and starts a thread, the first
-fingerprint of the resume audit converts a tensor to NumPy, the first ``load_state_dict`` of a
-module and of an optimizer run code nothing ran before, and MKL settles its vector math
-(vml.py). At 64 MB these first calls are a large part of a restore. A spare
-(launcher/warm.py) pays them before the restart comes: :func:`rehearse` writes a checkpoint
-of a few bytes to a temporary directory and restores it through the same functions a resume
-calls (resume.py), in this thread.
+``weights_only`` sets up its unpickler, the first ``load_state_dict`` of a module and of an
+optimizer and the resume audit's first fingerprint run code nothing ran before, and MKL
+settles its vector math (vml.py). At 64 MB that was about a tenth of a restore here
+(BENCHMARKS.md). A spare (launcher/warm.py) pays it before the restart comes:
+:func:`rehearse` writes a checkpoint of a few bytes to a temporary directory and restores it
+through the same functions a resume calls (resume.py), in this thread.
 
 It changes nothing a script can see: no random stream is drawn (its tensors are made by
 ``zeros`` and ``full``), no thread is left running (the checksum's is joined), nothing is left
