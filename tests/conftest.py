@@ -45,7 +45,7 @@ os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
 # tests of restarts after crashes (test_memory_tier.py, test_warm_restarts.py) turn it on.
 os.environ.setdefault("PROCCKPT_WARM_RESTARTS", "0")
 
-# A DataLoader's workers forked from a test process inherit what the module's earlier tests
+# A DataLoader's workers forked from a test process inherit what the process's earlier tests
 # left unreachable; a garbage collection in a worker then runs those objects' destructors, and
 # one that ends a native thread of the parent's (which the child does not have) throws
 # std::system_error and aborts it. Once, in a quiet fresh-clone run (bfde18e), a worker of
