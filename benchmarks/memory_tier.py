@@ -15,7 +15,9 @@ Prints, against the targets of issue 55:
   medians (target: at most 1 %);
 - how fast the restarts restored their state (the kept slot, read back from the checkpoint
   dir; target: at least 3 GB/s), and how many restores copied the optimizer's state into
-  memory the warm restart's spare had touched while it waited (training/state/reserve.py).
+  memory touched already: the optimizer's own earlier state (this training's optimizer steps
+  before its Checkpointer is made, state/mapped.py), or the region the warm restart's spare
+  touched while it waited (training/state/reserve.py).
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def _crashes(work: Path, train_args: list[str], kills: int, rng: random.Random,
              ) -> tuple[list[int], list[float], list[float], str]:
     """Kill the training ``kills`` times; the steps each lost, the seconds from each kill to
     the first resumed step, the restores' speeds (bytes/s), how many of them copied into
-    memory the spare had touched, the launcher's log."""
+    memory touched already, the launcher's log."""
     proc, out, err = _launch(work, "crashes", [*train_args, "--steps", "100000"],
                              "--restart-on-failure", "--max-restarts", str(kills + 5))
     lost, recoveries = [], []
@@ -212,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         ("the tier's cost a step", f"{tiered / plain - 1:+.1%} (250 steps: {plain:.2f} s "
                                    f"without, {tiered:.2f} s with; target <= 1 %)"),
         ("restore", (f"median {statistics.median(speeds) / 1e9:.2f} GB/s from the kept slot "
-                     f"(target >= 3 GB/s); {touched} of {len(speeds)} into memory the spare "
-                     "had touched") if speeds else "no restore timed"),
+                     f"(target >= 3 GB/s); {touched} of {len(speeds)} into memory touched "
+                     "already") if speeds else "no restore timed"),
     ]
     width = max(len(k) for k, _ in rows)
     for key, value in rows:

@@ -133,3 +133,14 @@ def test_the_state_a_first_step_starts_from_is_compared_tensor_by_tensor():
     assert "global_step is 0, not 7" in (counter.problem("ckpt-00000001", 7) or "")
     steps["global_step"] = 7
     assert counter.problem("ckpt-00000001", 7) is None
+
+
+def test_a_plain_tensors_print_is_its_fingerprint():
+    """contents.plain_print, which a restore takes as it copies (state/mapped.py), is what
+    the fingerprint of the same tensor is, and falls back to it for any other layout."""
+    tensors = [torch.randn(3, 4), torch.tensor(2.5), torch.ones(5, dtype=torch.bool),
+               torch.randn(7).to(torch.bfloat16), torch.arange(6).view(2, 3),
+               torch.randn(4, 3).t(), torch.randn(8)[::2],
+               torch.randn(3, dtype=torch.cfloat).conj(), torch.zeros(0, 3)]
+    for t in tensors:
+        assert contents.plain_print(t) == fingerprint(t).crc, t

@@ -175,7 +175,7 @@ def test_the_last_restart_says_where_its_state_came_from_and_what_went_into_touc
     line = recovery_line([ev(39, "cycle", cycle=2, warm=True), restart])
     assert line is not None and "(warm: torch was imported)" in line, line
     assert "restore 0.02s (64.0 MB, from the memory tier, 42.0 MB of it into memory touched " \
-        "in advance)" in line, line
+        "already)" in line, line
     cold = recovery_line([ev(39, "cycle", cycle=2),
                           {**restart, "touched": None, "source": "the checkpoint dir"}])
     assert cold is not None and "restore 0.02s (64.0 MB, from the checkpoint dir)" in cold

@@ -180,8 +180,8 @@ def recovery_line(history: list[dict[str, Any]]) -> str | None:
             touched = last.get("touched")
             more = ", ".join(([format_size(restored)] if isinstance(restored, int) else [])
                              + ([f"from {source}"] if isinstance(source, str) else [])
-                             + ([f"{format_size(touched)} of it into memory touched in "
-                                 "advance"] if isinstance(touched, int) else []))
+                             + ([f"{format_size(touched)} of it into memory touched already"]
+                                if isinstance(touched, int) else []))
             more = f" ({more})" if key == "restore" and more else ""
             parts.append(f"{name} {seconds:.2f}s{more}")
     return (f"last restart: {last['total']:.2f}s from the end of the cycle before to the end "

@@ -42,6 +42,7 @@ from .position.resplit import BEFORE
 from .saving import Saves, background_savers, frozen_chunks, memory_tier
 from .state import reserve
 from .state.first_step import ADVICE, StateExpectation, live_state
+from .state.mapped import written_over
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest
@@ -351,13 +352,14 @@ class Checkpointer:
 
     def _restored(self) -> tuple[int | None, str | None, int]:
         """The bytes of the state this process resumed from, where it was kept, and how many
-        of them went into memory a warm restart had touched in advance (state/reserve.py)."""
+        of them went into memory touched already: the region a warm restart's spare touched in
+        advance (state/reserve.py), or the optimizer's own earlier state (state/mapped.py)."""
         resumed = self.resumed_from
         if resumed is None:
             return None, None, 0
         memory = resumed.manifest.get("reason") == "memory"  # (a slot the launcher kept)
         return (resumed.nbytes, "the memory tier" if memory else "the checkpoint dir",
-                reserve.carved())
+                reserve.carved() + written_over())
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return load_newest_verified(self.store, lambda info, payload: apply_payload(

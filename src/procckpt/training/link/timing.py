@@ -36,7 +36,7 @@ class CycleTimer:
               source: str | None = None, touched: int = 0) -> None:
         """The Checkpointer is ready; ``source``: where the state it restored was kept (the
         memory tier or the checkpoint dir); ``touched``: the bytes it copied into memory
-        touched in advance."""
+        touched already (a warm restart's, or the optimizer's earlier state)."""
         if self.journal is None:
             return
         self._marks.append(time.monotonic())

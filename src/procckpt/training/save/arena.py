@@ -17,6 +17,7 @@ import mmap
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -28,7 +29,8 @@ from .device import CpuTwin, CudaOps, device_ops
 if TYPE_CHECKING:
     from .fence import StepFence
 
-__all__ = ["HostArena", "Snapshot", "NotSnapshottable", "map_populated", "round_up", "ALIGN"]
+__all__ = ["HostArena", "Snapshot", "NotSnapshottable", "map_populated", "round_up", "ALIGN",
+           "madvise"]
 
 logger = logging.getLogger(__name__)
 
@@ -428,6 +430,21 @@ def map_populated(nbytes: int) -> mmap.mmap:
     without transparent huge pages), and later copies are as fast. Raises OSError."""
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
     return mmap.mmap(-1, round_up(nbytes, mmap.PAGESIZE), flags=flags)
+
+
+def _libc_madvise() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+#: madvise(2) by address, without the GIL (as ctypes calls C), for memory that no Python
+#: object maps whole (mmap's own method holds the GIL throughout); None where libc has none.
+madvise: Callable[[int, int, int], int] | None = _libc_madvise()
 
 
 def round_up(n: int, multiple: int) -> int:

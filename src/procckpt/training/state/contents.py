@@ -35,7 +35,7 @@ import torch
 
 from ...store.checksum import crc32
 
-__all__ = ["Contents", "fingerprint", "PIECE"]
+__all__ = ["Contents", "fingerprint", "plain_print", "PIECE"]
 
 #: The largest piece of a strided or device tensor copied to the host at a time.
 PIECE = 4 << 20
@@ -74,6 +74,22 @@ def fingerprint(value: Any) -> Contents:
         names = sorted(set(hasher.unseen))
         unseen = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     return Contents(crc, what, unseen)
+
+
+def plain_print(t: torch.Tensor) -> int:
+    """``fingerprint(t).crc`` of one tensor, without the walk: where ``t`` is a plain
+    contiguous tensor in host memory, straight from its bytes (a restore takes it while a copy
+    is still in the cache: mapped.py)."""
+    if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized or t.is_nested
+            or not t.is_contiguous() or t.is_conj() or t.is_neg()
+            or callable(getattr(t, "to_local", None))):
+        return fingerprint(t).crc
+    return crc32(t.detach().reshape(-1).view(torch.uint8).numpy(), _header(t, 0))
+
+
+def _header(t: torch.Tensor, crc: int) -> int:
+    """What a dense tensor's fingerprint takes before its bytes: its dtype and shape."""
+    return zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
 
 
 class _Hasher:
@@ -176,7 +192,7 @@ class _Hasher:
             self.unseen.append(f"a {t.layout} {t.dtype} tensor")
             return zlib.crc32(f"{t.layout}{t.dtype}{tuple(t.shape)}".encode(), crc)
         self.shapes.append(f"{_shape(t)} {_dtype(t)}")
-        crc = zlib.crc32(f"{t.dtype}{tuple(t.shape)}".encode(), crc)
+        crc = _header(t, crc)
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
         if t.device.type == "cpu" and not t.is_contiguous() and _fills_its_span(t):

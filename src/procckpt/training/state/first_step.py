@@ -67,28 +67,34 @@ class StateExpectation:
                 f"{'; '.join(parts)}. {self.advice[0].upper()}{self.advice[1:]}")
 
 
-def state_prints(parts: Mapping[str, Any], counters: frozenset[str] = frozenset()) -> Prints:
+def state_prints(parts: Mapping[str, Any], counters: frozenset[str] = frozenset(),
+                 known: Mapping[int, tuple[int, int]] | None = None) -> Prints:
     """Every tensor in ``parts`` (state dicts, nested), by its path ("model.fc.weight",
-    "optimizer.state.0.exp_avg"), as its fingerprint; the top-level ``counters`` as values."""
+    "optimizer.state.0.exp_avg"), as its fingerprint; the top-level ``counters`` as values.
+    ``known``: fingerprints taken already, by the ``id`` of the tensor, with its address
+    (mapped.py takes those of the copies a restore makes)."""
     found: Prints = {}
     for name, value in parts.items():
         if name in counters:
             if isinstance(value, int) and not isinstance(value, bool):
                 found[name] = (value, "counter")
             continue
-        _leaves(value, name, found)
+        _leaves(value, name, found, known or {})
     return found
 
 
-def _leaves(value: Any, path: str, found: Prints) -> None:
+def _leaves(value: Any, path: str, found: Prints, known: Mapping[int, tuple[int, int]]) -> None:
     if isinstance(value, torch.Tensor):
-        found[path] = (fingerprint(value).crc, f"{value.dtype}{tuple(value.shape)}")
+        taken = known.get(id(value))
+        crc = taken[1] if taken is not None and taken[0] == value.data_ptr() \
+            else fingerprint(value).crc
+        found[path] = (crc, f"{value.dtype}{tuple(value.shape)}")
     elif isinstance(value, Mapping):
         for key, item in value.items():
-            _leaves(item, f"{path}.{key}", found)
+            _leaves(item, f"{path}.{key}", found, known)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _leaves(item, f"{path}.{i}", found)
+            _leaves(item, f"{path}.{i}", found, known)
 
 
 def audited(obj: Any) -> bool:
@@ -98,11 +104,13 @@ def audited(obj: Any) -> bool:
 
 
 def restored_state(statefuls: Mapping[str, Any], payload: Mapping[str, Any],
+                   known: Mapping[int, tuple[int, int]] | None = None,
                    ) -> tuple[Prints, frozenset[str], str | None]:
     """The state a resume restored, fingerprinted right after the restore: the models' and
     optimizers' state dicts as loaded, and for a framework that loads its checkpoint itself,
     the parts of the payload it names (``procckpt_audited_keys``). Returns the prints, the
-    counters among them, and a framework's advice (None for a script's own loop)."""
+    counters among them, and a framework's advice (None for a script's own loop). ``known``:
+    fingerprints the restore took as it copied (see :func:`state_prints`)."""
     prints: Prints = {}
     counters: frozenset[str] = frozenset()
     advice = None
@@ -113,7 +121,7 @@ def restored_state(statefuls: Mapping[str, Any], payload: Mapping[str, Any],
             prints.update(state_prints({k: payload.get(k) for k in keys}, counters))
             advice = getattr(obj, "procckpt_audit_advice", None)
         elif audited(obj):
-            prints.update(state_prints({name: obj.state_dict()}))
+            prints.update(state_prints({name: obj.state_dict()}, known=known))
     return prints, counters, advice
 
 

@@ -9,21 +9,34 @@ import contextlib
 import copy
 import ctypes
 import os
+import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...store.checksum import crc32
+from ..save.arena import madvise as _madvise
 from ..save.writer import tensors_of
 from . import reserve
+from .contents import plain_print
 
-__all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy"]
+__all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy",
+           "written_over"]
+
+#: Bytes this process's restores copied over state the optimizers held before.
+_written_over = 0
 
 
-def detach_from_file(payload: Any, holders: list[Any]) -> int:
+def written_over() -> int:
+    """Bytes this process's restores copied over what the optimizers held before they loaded
+    (see :func:`detach_from_file`)."""
+    return _written_over
+
+
+def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Tensor] | None = None,
+                     prints: dict[int, tuple[int, int]] | None = None) -> int:
     """Give every tensor that a stateful kept from a memory-mapped ``payload`` memory of its
     own; return how many bytes that copied.
 
@@ -31,24 +44,74 @@ def detach_from_file(payload: Any, holders: list[Any]) -> int:
     keeps the loaded tensors themselves. Left mapped, they would be copied page by page on
     their first update and would keep the checkpoint file's blocks allocated after pruning
     deletes it. ``holders`` are the statefuls: their ``state_dict()`` returns the very tensors
-    they hold, which are re-pointed (``set_``) at a private copy: in memory a warm restart's
-    spare touched in advance where it holds some (reserve.py), else in new memory.
+    they hold, which are re-pointed (``set_``) at a private copy. The copy goes where memory
+    is touched already: first into a tensor of ``displaced`` (what the holders held before
+    they loaded: an optimizer that stepped before its Checkpointer was made) that nothing
+    holds any more, then into the memory a warm restart's spare touched in advance
+    (reserve.py), else into new memory. Freeing the displaced state and faulting in new pages
+    for the same bytes cost a 64-MB restore here about 4 ms each.
+
+    ``prints``, where given, gets the fingerprint of every copy (contents.py), by the ``id``
+    of the tensor re-pointed at it, with its address: taken while the copy is in the cache,
+    it costs a fifth of one read back from memory afterwards (first_step.py uses them).
     """
+    global _written_over
     mapped = {t.untyped_storage().data_ptr() for t in tensors_of(payload) if t.numel()}
+    held = [t for holder in holders for t in tensors_of(holder.state_dict())]
+    reusable = _unheld(displaced, held) if displaced else {}
+    displaced = None  # what is not written over is freed when the copies are done
     copied = 0
     try:
         with torch.no_grad():
-            for holder in holders:
-                for t in tensors_of(holder.state_dict()):
-                    if t.numel() and t.untyped_storage().data_ptr() in mapped:
+            for t in held:
+                if t.numel() and t.untyped_storage().data_ptr() in mapped:
+                    same = reusable.get((t.dtype, t.shape))
+                    nbytes = t.numel() * t.element_size()
+                    if same:
+                        own: torch.Tensor | None = same.pop()
+                        _written_over += nbytes
+                    else:
                         own = reserve.take(t)
-                        own = t.clone() if own is None else own.copy_(t)
-                        # set_ takes a tensor too; torch's stubs name only storages.
-                        t.set_(own)  # type: ignore[call-overload]
-                        copied += t.numel() * t.element_size()
+                    own = t.clone() if own is None else own.copy_(t)
+                    # set_ takes a tensor too; torch's stubs name only storages.
+                    t.set_(own)  # type: ignore[call-overload]
+                    copied += nbytes
+                    if prints is not None:
+                        prints[id(t)] = (t.data_ptr(), plain_print(t))
     finally:
         reserve.release()
     return copied
+
+
+def _unheld(displaced: list[torch.Tensor], held: list[torch.Tensor],
+            ) -> dict[tuple[torch.dtype, torch.Size], list[torch.Tensor]]:
+    """The tensors of ``displaced`` that can be written over, by dtype and shape: plain dense
+    host tensors that own their memory whole, whose memory no tensor of ``held`` (what the
+    holders hold after their loads) shares, and that nothing else refers to (no name in
+    Python, no view of their memory)."""
+    in_use = {t.untyped_storage().data_ptr() for t in held}
+    probe = torch.empty(1)
+    alone = _users(probe.untyped_storage())  # a tensor's memory that it alone refers to
+    found: dict[tuple[torch.dtype, torch.Size], list[torch.Tensor]] = {}
+    seen: set[int] = set()
+    while displaced:
+        t = displaced.pop()
+        storage = t.untyped_storage()
+        if (storage.data_ptr() in in_use or storage.data_ptr() in seen or t.requires_grad
+                or t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized
+                or not t.is_contiguous() or t.storage_offset() != 0 or not t.numel()
+                or storage.nbytes() != t.numel() * t.element_size()):
+            continue
+        seen.add(storage.data_ptr())
+        # Named by ``t`` (and the call's argument) alone; its memory by ``t`` alone.
+        if sys.getrefcount(t) == 2 and _users(storage) == alone:
+            found.setdefault((t.dtype, t.shape), []).append(t)
+    return found
+
+
+def _users(storage: torch.UntypedStorage) -> int:
+    """How many refer to ``storage``'s memory (tensors, views, and this Python object)."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
 
 
 def private_copy(obj: Any) -> Any:
@@ -68,18 +131,6 @@ def private_copy(obj: Any) -> Any:
     return obj
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise()
 _MADV_POPULATE_READ = 22  # Linux 5.14; older kernels answer EINVAL and faults do the work
 
 
@@ -135,11 +186,16 @@ class MappedVerification:
         self.read_error: OSError | None = None
         pointers = [t.untyped_storage().data_ptr() for t in tensors_of(payload)
                     if t.untyped_storage().nbytes()]
-        self._base = (_file_mapping(path, min(pointers), nbytes)
-                      if pointers and nbytes > 0 else None)
+        #: An address in the mapping, if there is one: the thread finds the mapping from it
+        #: (reading the process's maps takes a millisecond, which the load need not wait for).
+        self._inside = min(pointers) if pointers and nbytes > 0 else None
         # Not a daemon: it reads the mapping, which must outlive it.
         self._thread = threading.Thread(target=self._run, name="procckpt-verify")
         self._thread.start()
+
+    def running(self) -> bool:
+        """Whether the checksum is still being computed."""
+        return self._thread.is_alive()
 
     def result(self) -> str | None:
         """Wait for the checksum; return why the file is unusable, or None if it is intact."""
@@ -151,10 +207,12 @@ class MappedVerification:
         from ...store import file_crc32
 
         try:
-            if self._base is None:
+            base = None if self._inside is None else \
+                _file_mapping(self.path, self._inside, self.nbytes)
+            if base is None:
                 crc, size = file_crc32(self.path)
             else:
-                crc, size = self._crc_of_mapping(self._base), self.nbytes
+                crc, size = self._crc_of_mapping(base), self.nbytes
         except OSError as e:  # the storage's fault, not the file's: the caller stops
             self.read_error = e
             self._problem = f"{self.path.name} cannot be read ({e})"

@@ -115,8 +115,11 @@ def read_payload(info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
 
 
 def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
-                   statefuls: Mapping[str, Stateful]) -> None:
-    """Load every stateful that is not sharded from a (possibly memory-mapped) payload.
+                   statefuls: Mapping[str, Stateful],
+                   prints: dict[int, tuple[int, int]] | None = None) -> None:
+    """Load every stateful that is not sharded from a (possibly memory-mapped) payload;
+    ``prints``, where given, gets the fingerprints of the tensors the load copied out of the
+    payload (mapped.py, ``detach_from_file``).
 
     Raises:
         ProcckptError: the checkpoint has no state for one of them (another script wrote it).
@@ -130,6 +133,11 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
             f"checkpoint {info.name} in {info.path.parent.parent} has no state for "
             f"{', '.join(missing)}: it was written by another script or other Checkpointer "
             "arguments; use a new dir")
+    # What the optimizers hold now: their loads replace it, and its memory can take the copies.
+    displaced = [t for name, obj in statefuls.items()
+                 if name not in sharded and isinstance(obj, torch.optim.Optimizer)
+                 for state in obj.state.values() for t in state.values()
+                 if isinstance(t, torch.Tensor)]
     for name, obj in statefuls.items():
         if name not in sharded:
             try:
@@ -142,7 +150,8 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
     # Nothing may keep pointing into the mapped file (see detach_from_file). Sharded state
     # came through DCP, not from this file (and holds DTensors, which have no storage of
     # their own to compare).
-    detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded])
+    detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded],
+                     displaced, prints)
 
 
 def _first_problem(error: BaseException) -> str:

@@ -69,8 +69,9 @@ def _rehearse(folder: str | None) -> None:
                          build_payload(statefuls, progress, {}, {}))
 
         def apply(info: Any, payload: dict[str, Any]) -> dict[str, Any]:
-            load_statefuls(info, payload, statefuls)
-            restored_state(statefuls, payload)
+            prints: dict[int, tuple[int, int]] = {}
+            load_statefuls(info, payload, statefuls, prints)
+            restored_state(statefuls, payload, prints)
             return payload
 
         if load_newest_verified(store, apply) is None:

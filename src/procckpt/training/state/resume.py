@@ -8,10 +8,13 @@ file); a checkpoint that fails it is quarantined and the next older one is loade
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 from ...errors import CheckpointCorruptError, CheckpointReadError, UsageError
 from ...protocol.events import append_event
@@ -61,7 +64,8 @@ def load_newest_verified(store: CheckpointStore, apply: Apply,
         try:
             # Loading runs alongside the checksum. If the checksum then fails, the next
             # checkpoint's load overwrites all of it, or we give up.
-            payload = apply(info, payload)
+            with _a_core_left_for(check):
+                payload = apply(info, payload)
         except Exception:
             if check.result() is None:
                 raise  # a genuine mismatch between script and checkpoint
@@ -83,6 +87,24 @@ def load_newest_verified(store: CheckpointStore, apply: Apply,
             f"no checkpoint in {store.ckpt_root} can be loaded (see the warnings above);"
             " refusing to start from scratch: move the directory away to train anew")
     return None
+
+
+@contextlib.contextmanager
+def _a_core_left_for(check: MappedVerification) -> Iterator[None]:
+    """Torch's intra-op threads one fewer while ``check``'s thread checksums the file.
+
+    A load's copies are split over all of them; one that shares a core with the checksum
+    finishes last, and every copy waits for it. On two cores, a 64-MB restore took 33 ms with
+    both threads and 27-29 with one (BENCHMARKS.md)."""
+    threads = torch.get_num_threads()
+    if threads < 2 or not check.running():
+        yield
+        return
+    torch.set_num_threads(threads - 1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def announce_resume(store: CheckpointStore | None, info: CheckpointInfo,
@@ -151,9 +173,10 @@ def apply_payload(ck: Any, info: CheckpointInfo, payload: dict[str, Any]) -> dic
     the payload, its position rescaled if it was written by another number of ranks."""
     if ck._dist is None:
         payload = single_process_view(info, payload, ck._statefuls, ck.allow_reshard)
-    load_statefuls(info, payload, ck._statefuls)
-    if ck._audit.on:  # the state as restored, for the first step's audit (first_step.py)
-        ck._restored_state = restored_state(ck._statefuls, payload)
+    prints: dict[int, tuple[int, int]] | None = {} if ck._audit.on else None
+    load_statefuls(info, payload, ck._statefuls, prints)
+    if prints is not None:  # the state as restored, for the first step's audit (first_step.py)
+        ck._restored_state = restored_state(ck._statefuls, payload, prints)
     return payload
 
 
