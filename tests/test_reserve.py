@@ -133,6 +133,23 @@ def _moments(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [s[key] for s in opt.state.values() for key in ("exp_avg", "exp_avg_sq")]
 
 
+def _saved_then_stepped_again(
+        folder: Path) -> tuple[list[torch.Tensor], torch.nn.Module, torch.optim.Optimizer]:
+    """A checkpoint of a stepped Adam in ``folder`` (its moments, as saved), and the same
+    model and optimizer made anew and stepped twice: moments other than the saved ones, in
+    memory of their own."""
+    from procckpt import Checkpointer
+
+    model, opt = _stepped_adam()
+    ckpt = Checkpointer(folder, model=model, optimizer=opt, save_every=None)
+    ckpt.save()
+    ckpt.close()
+    model2, opt2 = _stepped_adam()
+    model2(torch.randn(4, 64)).sum().backward()
+    opt2.step()
+    return [t.clone() for t in _moments(opt)], model2, opt2
+
+
 def test_a_restore_writes_over_the_moments_the_optimizer_had_before(tmp_path: Path):
     """An optimizer that stepped before its Checkpointer was made: the restore copies into
     the memory of the moments it replaces (touched already), not into the spare's region or
@@ -140,15 +157,7 @@ def test_a_restore_writes_over_the_moments_the_optimizer_had_before(tmp_path: Pa
     from procckpt import Checkpointer
     from procckpt.training.state.mapped import written_over
 
-    model, opt = _stepped_adam()
-    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=opt, save_every=None)
-    ckpt.save()
-    ckpt.close()
-    saved = [t.clone() for t in _moments(opt)]
-
-    model2, opt2 = _stepped_adam()
-    model2(torch.randn(4, 64)).sum().backward()
-    opt2.step()  # other moments than the saved ones, in memory of their own
+    saved, model2, opt2 = _saved_then_stepped_again(tmp_path / "ck")
     before = [t.data_ptr() for t in _moments(opt2)]
     over, carved = written_over(), reserve.carved()
     assert reserve.prepare(1 << 20)
@@ -166,15 +175,7 @@ def test_a_restore_writes_over_the_moments_the_optimizer_had_before(tmp_path: Pa
 def test_a_moment_something_else_still_refers_to_is_left_as_it_was(tmp_path: Path):
     from procckpt import Checkpointer
 
-    model, opt = _stepped_adam()
-    ckpt = Checkpointer(tmp_path / "ck", model=model, optimizer=opt, save_every=None)
-    ckpt.save()
-    ckpt.close()
-    saved = [t.clone() for t in _moments(opt)]
-
-    model2, opt2 = _stepped_adam()
-    model2(torch.randn(4, 64)).sum().backward()
-    opt2.step()
+    saved, model2, opt2 = _saved_then_stepped_again(tmp_path / "ck")
     named = _moments(opt2)[0]  # the script keeps a name for one...
     row = _moments(opt2)[3][0]  # ...and a view of another
     named_was, row_was = named.clone(), row.clone()
