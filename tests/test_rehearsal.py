@@ -52,3 +52,24 @@ def test_a_rehearsal_leaves_the_region_for_the_restore_alone(tmp_path: Path):
         assert (reserve.held(), reserve.carved()) == (held, carved)
     finally:
         reserve.release()
+
+
+def test_what_a_rehearsal_copies_is_not_counted_in_the_restore_after_it(tmp_path: Path):
+    """The spare rehearses with a stepped optimizer, whose moments its restore writes over;
+    the script's restore after it, into an optimizer with no state, touched nothing."""
+    from procckpt import Checkpointer
+
+    assert rehearse(str(tmp_path))
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 8)).sum().backward()
+    optimizer.step()  # a momentum buffer to save
+    saving = Checkpointer(tmp_path / "ck", model=model, optimizer=optimizer, save_every=None)
+    saving.save()
+    saving.close()
+    fresh = torch.nn.Linear(8, 8)
+    resumed = Checkpointer(tmp_path / "ck", model=fresh, save_every=None,
+                           optimizer=torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9))
+    assert resumed.resumed_from is not None
+    assert resumed._restored()[2] == 0
+    resumed.close()

@@ -42,7 +42,6 @@ from .position.resplit import BEFORE
 from .saving import Saves, background_savers, frozen_chunks, memory_tier
 from .state import reserve
 from .state.first_step import ADVICE, StateExpectation, live_state
-from .state.mapped import written_over
 from .state.member import CheckpointerAsMember
 from .state.payload import Stateful, build_payload, checkpoint_meta, collect_statefuls
 from .state.resume import apply_payload, finished_already, load_newest_verified, resume_newest
@@ -92,6 +91,8 @@ class Checkpointer:
     #: The state a resume restored, fingerprinted for its first step's audit (set while it
     #: loads: state/first_step.py).
     _restored_state: tuple[Any, Any, str | None] | None = None
+    #: Bytes the restore copied over the optimizer's earlier state (state/mapped.py).
+    _written_over = 0
     #: Where the last ``batches()`` pass ended (loops.py: one pass an epoch).
     _pass_ended: tuple[bool, int | None, int | None] | None = None
 
@@ -359,7 +360,7 @@ class Checkpointer:
             return None, None, 0
         memory = resumed.manifest.get("reason") == "memory"  # (a slot the launcher kept)
         return (resumed.nbytes, "the memory tier" if memory else "the checkpoint dir",
-                reserve.carved() + written_over())
+                reserve.carved() + self._written_over)
 
     def _load_latest(self) -> tuple[CheckpointInfo, dict[str, Any]] | None:
         return load_newest_verified(self.store, lambda info, payload: apply_payload(

@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -22,23 +22,22 @@ from ..save.writer import tensors_of
 from . import reserve
 from .contents import plain_print
 
-__all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "private_copy",
-           "written_over"]
-
-#: Bytes this process's restores copied over state the optimizers held before.
-_written_over = 0
+__all__ = ["MappedVerification", "verify_mapped", "detach_from_file", "Detached",
+           "private_copy"]
 
 
-def written_over() -> int:
-    """Bytes this process's restores copied over what the optimizers held before they loaded
-    (see :func:`detach_from_file`)."""
-    return _written_over
+class Detached(NamedTuple):
+    """What :func:`detach_from_file` copied: bytes in all, and those of them written over
+    tensors the holders held before they loaded."""
+
+    nbytes: int
+    written_over: int
 
 
 def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Tensor] | None = None,
-                     prints: dict[int, tuple[int, int]] | None = None) -> int:
+                     prints: dict[int, tuple[int, int]] | None = None) -> Detached:
     """Give every tensor that a stateful kept from a memory-mapped ``payload`` memory of its
-    own; return how many bytes that copied.
+    own; return how many bytes that copied, and how many of them went over ``displaced``.
 
     ``load_state_dict`` of a module copies into the module's parameters, but an optimizer
     keeps the loaded tensors themselves. Left mapped, they would be copied page by page on
@@ -55,12 +54,11 @@ def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Ten
     of the tensor re-pointed at it, with its address: taken while the copy is in the cache,
     it costs a fifth of one read back from memory afterwards (first_step.py uses them).
     """
-    global _written_over
     mapped = {t.untyped_storage().data_ptr() for t in tensors_of(payload) if t.numel()}
     held = [t for holder in holders for t in tensors_of(holder.state_dict())]
     reusable = _unheld(displaced, held) if displaced else {}
     displaced = None  # what is not written over is freed when the copies are done
-    copied = 0
+    copied = over = 0
     try:
         with torch.no_grad():
             for t in held:
@@ -69,7 +67,7 @@ def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Ten
                     nbytes = t.numel() * t.element_size()
                     if same:
                         own: torch.Tensor | None = same.pop()
-                        _written_over += nbytes
+                        over += nbytes
                     else:
                         own = reserve.take(t)
                     own = t.clone() if own is None else own.copy_(t)
@@ -80,7 +78,7 @@ def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Ten
                         prints[id(t)] = (t.data_ptr(), plain_print(t))
     finally:
         reserve.release()
-    return copied
+    return Detached(copied, over)
 
 
 def _unheld(displaced: list[torch.Tensor], held: list[torch.Tensor],

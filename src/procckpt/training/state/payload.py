@@ -116,10 +116,11 @@ def read_payload(info: CheckpointInfo, mmap: bool = False) -> dict[str, Any]:
 
 def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
                    statefuls: Mapping[str, Stateful],
-                   prints: dict[int, tuple[int, int]] | None = None) -> None:
+                   prints: dict[int, tuple[int, int]] | None = None) -> int:
     """Load every stateful that is not sharded from a (possibly memory-mapped) payload;
     ``prints``, where given, gets the fingerprints of the tensors the load copied out of the
-    payload (mapped.py, ``detach_from_file``).
+    payload (mapped.py, ``detach_from_file``). Returns how many bytes of those copies went
+    over what the optimizers held before (memory touched already).
 
     Raises:
         ProcckptError: the checkpoint has no state for one of them (another script wrote it).
@@ -150,8 +151,8 @@ def load_statefuls(info: CheckpointInfo, payload: dict[str, Any],
     # Nothing may keep pointing into the mapped file (see detach_from_file). Sharded state
     # came through DCP, not from this file (and holds DTensors, which have no storage of
     # their own to compare).
-    detach_from_file(payload, [obj for name, obj in statefuls.items() if name not in sharded],
-                     displaced, prints)
+    return detach_from_file(payload, [obj for name, obj in statefuls.items()
+                                      if name not in sharded], displaced, prints).written_over
 
 
 def _first_problem(error: BaseException) -> str:

@@ -174,7 +174,7 @@ def apply_payload(ck: Any, info: CheckpointInfo, payload: dict[str, Any]) -> dic
     if ck._dist is None:
         payload = single_process_view(info, payload, ck._statefuls, ck.allow_reshard)
     prints: dict[int, tuple[int, int]] | None = {} if ck._audit.on else None
-    load_statefuls(info, payload, ck._statefuls, prints)
+    ck._written_over = load_statefuls(info, payload, ck._statefuls, prints)
     if prints is not None:  # the state as restored, for the first step's audit (first_step.py)
         ck._restored_state = restored_state(ck._statefuls, payload, prints)
     return payload
