@@ -57,7 +57,6 @@ def detach_from_file(payload: Any, holders: list[Any], displaced: list[torch.Ten
     mapped = {t.untyped_storage().data_ptr() for t in tensors_of(payload) if t.numel()}
     held = [t for holder in holders for t in tensors_of(holder.state_dict())]
     reusable = _unheld(displaced, held) if displaced else {}
-    displaced = None  # what is not written over is freed when the copies are done
     copied = over = 0
     try:
         with torch.no_grad():
@@ -86,7 +85,8 @@ def _unheld(displaced: list[torch.Tensor], held: list[torch.Tensor],
     """The tensors of ``displaced`` that can be written over, by dtype and shape: plain dense
     host tensors that own their memory whole, whose memory no tensor of ``held`` (what the
     holders hold after their loads) shares, and that nothing else refers to (no name in
-    Python, no view of their memory)."""
+    Python, no view of their memory). It empties ``displaced`` as it goes, so that the list's
+    own references are not counted; the tensors it does not keep are freed there."""
     in_use = {t.untyped_storage().data_ptr() for t in held}
     probe = torch.empty(1)
     alone = _users(probe.untyped_storage())  # a tensor's memory that it alone refers to
