@@ -132,6 +132,8 @@ def release() -> None:
     elif free > 0 and madvise is not None:
         work, args = _dont_need, (region, address, free)
     else:
+        if free > 0:  # no libc madvise: mmap's own, here (it holds the GIL)
+            region.madvise(mmap.MADV_DONTNEED, first_free, free)
         return
     threading.Thread(target=work, args=args, name="procckpt-release", daemon=True).start()
 
