@@ -395,6 +395,19 @@ def test_by_default_checkpoints_come_at_the_young_daly_period_of_their_measured_
     assert "Young/Daly" in intervals[-1]["why"]
 
 
+def test_no_periodic_checkpoint_begins_that_the_deadlines_would_wait_for(tmp_path: Path):
+    """Periodic checkpoints take 1 s to be durable here; the deadline's is asked for at 90 s
+    (limit 100, grace 10). One due at 89.1 s would still be written then: the stop's would
+    wait for it, and it would be superseded a second later. It is left out; the earlier
+    ones are not, and the next cycle's schedule starts afresh."""
+    world, result, _ = supervise(tmp_path, [Cycle(step=10), Cycle(exits_at=70, completes=True)],
+                                 interval=29.7)
+    assert result.reason is ExitReason.FINISHED, result.message
+    asked = [(round(t, 1), reason) for t, _, reason in world.requests]
+    assert asked == [(29.7, "interval"), (59.4, "interval"), (90.0, "deadline"),
+                     (29.7, "interval"), (59.4, "interval")], asked
+
+
 def test_a_hung_command_gets_its_stacks_dumped_and_is_restarted(tmp_path: Path):
     cycles = [Cycle(hangs_at=50, confirm_after=None), Cycle(exits_at=30, completes=True)]
     world, result, _ = supervise(tmp_path, cycles, time_limit=None, interval=None,

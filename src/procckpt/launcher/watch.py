@@ -218,8 +218,22 @@ class CycleWatch:
                     self.engine.confirmation(self.interval_seq) is not None:
                 self.interval_seq = None
             if self.stop is None and self.interval_seq is None and self._connected() \
-                    and self.store.completion() is None:  # none after training finished
+                    and self.store.completion() is None \
+                    and not self._deadline_first(now, trigger_at):
                 self.interval_seq = self._trigger("checkpoint", "interval")
+
+    def _deadline_first(self, now: float, trigger_at: float | None) -> bool:
+        """Whether the deadline's checkpoint will be asked for before a periodic one begun
+        ``now`` is durable (as long as the slowest recent one took): that one would only be
+        written over by the deadline's, and the deadline's would wait for it, eating into
+        its lead. It is left out, and said."""
+        durable = self.plan.costs.longest_durable
+        if trigger_at is None or durable is None or now + durable[0] < trigger_at:
+            return False
+        logger.info("no periodic checkpoint now: the deadline's is asked for in %s, before "
+                    "this one (%.1fs) would be durable", format_duration(trigger_at - now),
+                    durable[0])
+        return True
 
     def _on_peer_stop(self, now: float) -> None:
         """Another node's launcher was asked to stop (its pod's SIGTERM): every node
