@@ -89,6 +89,59 @@ def test_deadline_cycles_restore_the_whole_tree_each_step_once(workdir: Path):
     assert_same(expected, out)
 
 
+@needs_criu
+def test_a_tree_that_ends_at_once_when_resumed_is_restored(workdir: Path):
+    """A process of 200 threads whose first act after its restore is to exit (as a
+    DataLoader worker imaged as its epoch ended). Were it resumed while CRIU still holds
+    some of its threads, its exit would end them under CRIU, which then fails the whole
+    restore ("Unable to detach"); the tree is resumed only once CRIU let go of all."""
+    ckpt = workdir / "ckpt"
+    image = ckpt / "checkpoints" / "ckpt-00000001"
+    done = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu",
+                "--time-limit", "8s", "--grace", "3s", "--",
+                PYTHON, str(PROGRAMS / "ends_on_resume.py"), str(image)],
+               cwd=workdir, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [e["checkpoint"] for e in events(ckpt, "resume")] == [image.name], done.stderr[-3000:]
+    assert not events(ckpt, "restore-failed"), done.stderr[-3000:]
+    assert done.stdout.splitlines() == ["threads started", "resumed"], done.stdout
+
+
+@needs_criu
+def test_a_restore_that_failed_once_is_tried_again_before_an_older_image(workdir: Path):
+    """CRIU's first restore fails at its very end, as a real one may (its pid file written,
+    the tree killed): the same image is restored again, not the one before it (here, none:
+    the run would have had to start over). A fault at the seam: CRIU in front of the real
+    one, failing its first restore only."""
+    ckpt = workdir / "ckpt"
+    image = ckpt / "checkpoints" / "ckpt-00000001"
+    criu = workdir / "criu"
+    criu.write_text(f"""#!/bin/bash
+if [ "$1" = restore ] && [ ! -e {workdir}/failed-once ]; then
+    touch {workdir}/failed-once
+    while [ $# -gt 0 ]; do
+        case "$1" in --pidfile) pidfile=$2 ;; -W) work=$2 ;; -o) log=$2 ;; esac
+        shift
+    done
+    echo $$ > "$pidfile"
+    echo "Error (criu/cr-restore.c:1917): Unable to detach 4242: No such process" > "$work/$log"
+    exit 1
+fi
+exec {find_criu()} "$@"
+""")
+    criu.chmod(0o755)
+    done = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu",
+                "--time-limit", "8s", "--grace", "3s", "--",
+                PYTHON, str(PROGRAMS / "ends_on_resume.py"), str(image), "1"],
+               cwd=workdir, timeout=300, env={"PROCCKPT_CRIU": str(criu)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"restoring {image.name} failed; trying it once more" in done.stderr, \
+        done.stderr[-3000:]
+    assert [e["checkpoint"] for e in events(ckpt, "restore-failed")] == [image.name]
+    assert [e["checkpoint"] for e in events(ckpt, "resume")] == [image.name] * 2
+    assert done.stdout.splitlines() == ["threads started", "resumed"], done.stdout
+
+
 def _start(workdir: Path, ckpt: Path, out: Path, log: Path, *options: str,
            ) -> subprocess.Popen[str]:
     return subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--engine", "criu",

@@ -100,6 +100,8 @@ class CriuEngine(Engine):
         self._job: _Job | None = None
         self._confirmed: Confirmation | None = None
         self._failed_images: set[str] = set()
+        #: Images whose restore failed once: tried once more before the one before them.
+        self._tried_again: set[str] = set()
         self._stuck: str | None = None
         #: PID namespaces need CAP_SYS_ADMIN: root, not CRIU's --unprivileged mode.
         self.namespaces = (not tools.unprivileged
@@ -207,7 +209,8 @@ class CriuEngine(Engine):
 
     def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
         """A command that exited 0 by itself finished (the run is marked complete); a restore
-        that never brought the tree back gives way to the previous image."""
+        that never brought the tree back is tried once more (what failed may not again: a
+        moment's shortage, a race in CRIU), then gives way to the previous image."""
         cycle = self._cycle
         if cycle is None:
             return None
@@ -219,9 +222,12 @@ class CriuEngine(Engine):
         image = cycle.restored_from
         if image is None or (self.work / "root.pid").exists():
             return None  # the command's own exit: the supervisor's rules apply
-        self._failed_images.add(image.name)
         append_event(self.store.events_path, "restore-failed", checkpoint=image.name,
                      exit_code=exit_code, problem="criu restore failed")
+        if image.name not in self._tried_again:
+            self._tried_again.add(image.name)
+            return f"restoring {image.name} failed; trying it once more"
+        self._failed_images.add(image.name)
         older = self._newest_image(quiet=True)
         if older is None:
             logger.error("criu: restoring %s failed and no older image is left; the images "

@@ -21,13 +21,21 @@ opens a handed pipe again through /proc, which a user other than root may not do
 of another user's (a container runtime's, a wrapper's run as root): with ``--unprivileged``
 such a pipe is handed over as a pipe of this process's own, which it copies into the real one.
 
+CRIU leaves the tree stopped (``--leave-stopped``), and this process continues it once CRIU
+has let go of every thread. Resumed by CRIU, a process whose first act is to exit (a
+DataLoader worker imaged as its epoch ended) may end while CRIU is still letting go of its
+other threads, and CRIU then fails the whole restore ("Unable to detach ...: No such
+process"); stopped, nothing runs before CRIU is done. (A process that was stopped when it
+was imaged is continued too.)
+
 Stdlib only: it must start in milliseconds and never import torch. If the restore fails, it
-says so in one line and exits with 75 before the root's pid file exists: the launcher then
-falls back to the previous image.
+says so in one line and exits with 75 without the root's pid file (CRIU writes it before its
+last steps, which may fail): the launcher then tries the image again, then the one before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import runpy
@@ -68,7 +76,7 @@ def main(argv: list[str]) -> int:
     pidfile = os.path.join(work, "root.pid")
     log = "restore.log"
     args = [criu, "restore", "--restore-detached", "--restore-sibling", "--shell-job",
-            "-D", images, "-W", work, "-o", log, "--pidfile", pidfile, *options]
+            "--leave-stopped", "-D", images, "-W", work, "-o", log, "--pidfile", pidfile, *options]
     fds = []
     for spec in inherit:
         args += ["--inherit-fd", spec]
@@ -77,11 +85,14 @@ def main(argv: list[str]) -> int:
     for end in ends:
         os.close(end)  # the tree holds them now: the relays end when it has
     if done.returncode != 0 or not os.path.exists(pidfile):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(pidfile)  # (CRIU killed what it had restored)
         print(f"procckpt: criu restore of {images} failed ({_last_error(os.path.join(work, log))})",
               file=sys.stderr, flush=True)
         return RESTORE_FAILED
     with open(pidfile) as f:
         root = int(f.read())
+    _continue(root)
     if namespace:
         for name in _THE_TREES:
             if name != "SIGPIPE":
@@ -108,6 +119,28 @@ def _keeper() -> dict[str, Any]:
     """keeper.py's names, two folders up (this script runs isolated: ``-I``, nothing on its
     path)."""
     return runpy.run_path(os.path.join(os.path.dirname(__file__), "..", "..", "keeper.py"))
+
+
+def _continue(root: int) -> None:
+    """SIGCONT to every process of the tree below ``root`` (stopped, they fork nothing), the
+    root last."""
+    tree, look = [], [root]
+    while look:
+        pid = look.pop()
+        tree.append(pid)
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    look.extend(int(child) for child in f.read().split())
+            except (OSError, ValueError):
+                continue
+    for pid in reversed(tree):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
 
 
 def _pass(root: int, signum: int) -> None:
