@@ -3,7 +3,9 @@ check) and the launcher's copy of the newest complete slot into the store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,30 @@ def test_a_slot_is_written_every_k_safe_points_as_its_copy_allows(tmp_path: Path
     assert planned and planned[0]["every"] > 1 and planned[0]["bytes"] >= 16 << 20
     slots = writer.store.checkpoints()
     assert 1 <= len(slots) <= 2 and slots[0].step < 30
+
+
+def test_a_slot_is_written_after_the_step_began_by_a_thread_that_yields_its_core(
+        tmp_path: Path, monkeypatch):
+    """The compute that follows a safe point keeps the cores: the slot's write waits a third
+    of a step (at most 0.1 s) after the copy, and its thread runs under SCHED_IDLE."""
+    monkeypatch.setenv("PROCCKPT_MEMORY_TIER_DIR", str(tmp_path / "tier"))
+    writer = TierWriter.from_environment(None)
+    assert writer is not None
+    state = {"w": torch.randn(1 << 16)}
+    for step in (1, 2):  # steps of 0.6 s (a slot is due at the second safe point)
+        writer.at_safe_point(step * 0.6, True, lambda: {"step": 2, "epoch": 0, "batch": 2},
+                             lambda: state, lambda: None)
+    copied = time.time()
+    thread = writer._thread
+    assert thread is not None
+    policies = set()
+    while thread.is_alive() and os.SCHED_IDLE not in policies:
+        with contextlib.suppress(OSError):  # (gone in between)
+            policies.add(os.sched_getscheduler(thread.native_id))
+    writer.close()
+    assert os.SCHED_IDLE in policies
+    (slot,) = writer.store.checkpoints()
+    assert slot.step == 2 and slot.created - copied >= 0.09, slot.created - copied
 
 
 def _rank_slot(tier: Path, rank: int, step: int) -> None:
