@@ -124,21 +124,7 @@ def _keeper() -> dict[str, Any]:
 def _continue(root: int) -> None:
     """SIGCONT to every process of the tree below ``root`` (stopped, they fork nothing), the
     root last."""
-    tree, look = [], [root]
-    while look:
-        pid = look.pop()
-        tree.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    look.extend(int(child) for child in f.read().split())
-            except (OSError, ValueError):
-                continue
-    for pid in reversed(tree):
+    for pid in [*_keeper()["_descendants"](root), root]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
 
