@@ -50,7 +50,7 @@ def _prctl(option: int, value: int) -> bool:
         return False
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """Every live process below ``root``, from /proc (children of all threads)."""
     found: list[int] = []
     todo = [root]
@@ -74,7 +74,7 @@ def _descendants(root: int) -> list[int]:
 def _say_left_behind() -> None:
     """Name the processes the command left running (a daemon, a server it started), which
     are killed next: a run must not end with work silently cut short."""
-    said = left_behind(_descendants(os.getpid()))
+    said = left_behind(descendants(os.getpid()))
     if said is not None:
         try:
             os.write(2, f"{said}\n".encode())
@@ -104,7 +104,7 @@ def _kill_all_below() -> None:
     """SIGKILL every process below the keeper until none is left, reaping as they die."""
     me = os.getpid()
     for _ in range(100):
-        below = _descendants(me)
+        below = descendants(me)
         if not below:
             return
         for pid in below:

@@ -124,7 +124,7 @@ def _keeper() -> dict[str, Any]:
 def _continue(root: int) -> None:
     """SIGCONT to every process of the tree below ``root`` (stopped, they fork nothing), the
     root last."""
-    for pid in [*_keeper()["_descendants"](root), root]:
+    for pid in [*_keeper()["descendants"](root), root]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
 
