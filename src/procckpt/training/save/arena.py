@@ -64,6 +64,11 @@ class Snapshot:
     _events: list[Any] = field(default_factory=list, repr=False)
     _sources: list[torch.Tensor] = field(default_factory=list, repr=False)
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether device-to-host copies may still be landing (:meth:`wait_copied`)."""
+        return bool(self._events)
+
     def wait_copied(self) -> None:
         """Wait for asynchronous device-to-host copies (GPU state) to land."""
         for event in self._events:
@@ -101,7 +106,12 @@ class HostArena:
     tensor's bytes (not a whole shared storage).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backing: Callable[[int], mmap.mmap] | None = None) -> None:
+        #: Where the memory comes from: a populated mapping of at least the bytes asked for
+        #: (private anonymous memory by default; the memory tier's: a file of its own).
+        self._backing = backing or map_populated
+        #: How many times the tensors were laid out (a new layout: new slot tensors).
+        self.layouts = 0
         self.capacity = 0
         self.allocations = 0
         self._mm: mmap.mmap | None = None
@@ -115,6 +125,15 @@ class HostArena:
     @property
     def pinned(self) -> bool:
         return self._pinning is not _Pinning.NONE
+
+    def offset_of(self, data_ptr: int, nbytes: int) -> int | None:
+        """Where ``nbytes`` at ``data_ptr`` lie in the mapping the backing gave, None if not
+        inside it (or if the arena is not in that mapping: torch's pinned fallback)."""
+        flat = self._flat
+        if flat is None or self._mm is None:
+            return None
+        offset = data_ptr - flat.data_ptr()
+        return offset if 0 <= offset and offset + nbytes <= flat.numel() else None
 
     def capture(self, payload: Any, fence: StepFence | None = None) -> Snapshot:
         """Copy ``payload`` (nested dicts/lists/tuples of tensors and plain values) into the
@@ -182,6 +201,7 @@ class HostArena:
         if signature != self._signature or wants_pinned != self.pinned:
             self._plan(sources, wants_pinned, ops)
             self._signature = signature
+            self.layouts += 1
 
     def _collect(self, obj: Any, unique: dict[tuple[Any, ...], int],
                  sources: list[torch.Tensor], order: list[int]) -> None:
@@ -248,7 +268,9 @@ class HostArena:
         slots = []
         for s, offset in zip(sources, offsets):
             nbytes = s.numel() * s.element_size()
-            if storage is None:
+            # (An empty tensor gets no place: at the next one's, it would share its address,
+            # and torch.save refuses two dtypes at one address.)
+            if storage is None or nbytes == 0:
                 slot = torch.empty(s.shape, dtype=s.dtype)
             else:
                 part = storage[offset:offset + nbytes]
@@ -264,7 +286,7 @@ class HostArena:
         self._ops = ops
         if nbytes == 0:
             return
-        mm = map_populated(nbytes)
+        mm = self._backing(nbytes)
         size = len(mm)
         # Not inherited by forked children (DataLoader workers start at every epoch): in a
         # child's lifetime each page the next capture writes would be copied first (1.5 s
