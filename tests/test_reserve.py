@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from procckpt.store import CheckpointStore
+from procckpt.training.save.tier import TierWriter
 from procckpt.training.save.writer import write_checkpoint
 from procckpt.training.state import reserve
 from procckpt.training.state.mapped import detach_from_file
@@ -107,12 +108,14 @@ def test_a_spare_touches_its_region_once_the_tier_holds_a_slot(tmp_path: Path, m
         waiter.start()
         waiter.join(0.3)
         assert waiter.is_alive() and reserve.held() == 0  # no slot yet: nothing touched
-        store = CheckpointStore(tier, keep=2).open()
-        info = write_checkpoint(store, {"step": 3, "epoch": 0, "batch": 3, "reason": "memory"},
-                                {"w": torch.zeros(50_000)})
+        writer = TierWriter.opened(tier, None)
+        writer.write_slot(lambda: {"step": 3, "epoch": 0, "batch": 3, "reason": "memory"},
+                          lambda: {"w": torch.zeros(50_000)}, lambda: None)
+        writer.close()
+        assert writer.slots == 1, writer.off
         waiter.join(2.0)
         assert waiter.is_alive()  # it waits for the restart still
-        assert reserve.held() >= info.nbytes
+        assert reserve.held() >= 200_000
         os.write(write_end, b"go")
         waiter.join(5.0)
         assert not waiter.is_alive()

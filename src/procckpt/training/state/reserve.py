@@ -62,14 +62,15 @@ def wait_readable(fd: int, tier: str | None = None) -> None:
 
 
 def _newest_slot_bytes(tier: Path) -> int:
-    """The size of the newest slot's files in ``tier``, 0 if there is none yet."""
-    from ...store import CheckpointStore
+    """The size of the newest slot's state in ``tier`` (its data file: the tensors, each
+    aligned as a restore's copies are), 0 if there is none yet."""
+    from ...protocol.slots import slot_files, slots_newest_first
 
+    slots = slots_newest_first(tier)
     try:
-        slots = CheckpointStore(tier, keep=2).checkpoints()
+        return slot_files(tier, slots[0][0])[0].stat().st_size if slots else 0
     except OSError:
         return 0
-    return slots[0].nbytes if slots else 0
 
 
 def prepare(nbytes: int) -> bool:
