@@ -52,8 +52,8 @@ def _training_pid(ckpt: Path) -> int:
 
 def _torn(tier: Path) -> bool:
     """Whether a slot is being written: its data there, its manifest not (yet)."""
-    return any(data.exists() and not manifest.exists()
-               for data, _, manifest in (slot_files(tier, i) for i in range(SLOTS)))
+    return any(files.data.exists() and not files.manifest.exists()
+               for files in (slot_files(tier, i) for i in range(SLOTS)))
 
 
 def _tier_root(ckpt: Path) -> Path:

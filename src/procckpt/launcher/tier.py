@@ -32,7 +32,7 @@ from ..errors import ProcckptError
 from ..protocol.control import ENV_TIER, TIER_RANK_DIR
 from ..protocol.events import append_event
 from ..protocol.leftovers import make_owned_dir, sweep_dead
-from ..protocol.slots import slot_files, slot_pickle, slots_newest_first
+from ..protocol.slots import slot_files, slots_newest_first
 from ..store import CheckpointInfo, CheckpointStore
 from ..store.files import MEMORY_FS_TYPES, format_size, fs_type
 from ..store.pending import PendingCheckpoint
@@ -130,33 +130,30 @@ def write_slot_file(pending: PendingCheckpoint, folder: Path, index: int,
     have written of its state: the skeleton's records in their order, the slot's
     ``data.pkl``, each storage's bytes from the slot's data file, at the alignment torch's
     own files have."""
-    data, skeleton, _ = slot_files(folder, index)
-    data_pkl = slot_pickle(folder, index).read_bytes()
+    files = slot_files(folder, index)
+    data_pkl = files.pickle.read_bytes()
     name = slot["name"]
     records: dict[str, list[int]] = slot["records"]
-    with zipfile.ZipFile(skeleton) as source, \
-            open(data if records else os.devnull, "rb") as raw:
-        size = os.fstat(raw.fileno()).st_size if records else 0
-        mapped = mmap.mmap(raw.fileno(), size, prot=mmap.PROT_READ) if size else None
+    with zipfile.ZipFile(files.skeleton) as source:
+        entries = [(info, info.filename.split("/", 1)[-1]) for info in source.infolist()]
+        if {record for _, record in entries if record.startswith("data/")} != set(records):
+            raise ValueError(f"slot {index} in {folder}: its skeleton's storages are not its "
+                             "records")
+        mapped = _mapped(files.data) if records else None
         try:
-            held = {info.filename.split("/", 1)[-1] for info in source.infolist()}
-            if not set(records) <= held:
-                raise ValueError(f"slot {index} in {folder}: its skeleton lacks records")
             with open(pending.path / name, "xb") as target, \
                     zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
-                for info in source.infolist():
-                    record = info.filename.split("/", 1)[-1]
+                for info, record in entries:
                     place = records.get(record)
                     body: bytes | memoryview
                     if record == "data.pkl":
                         body = data_pkl
-                    elif place is not None:
-                        assert mapped is not None or not place[1]
-                        body = memoryview(mapped or b"")[place[0]:place[0] + place[1]]
-                    elif record.startswith("data/"):  # (the skeleton's layout, not this slot's)
-                        raise ValueError(f"slot {index} in {folder}: no bytes for {record}")
-                    else:
+                    elif place is None:
                         body = source.read(info)
+                    elif mapped is None:  # (a data file of no bytes: empty storages only)
+                        body = b""
+                    else:
+                        body = memoryview(mapped)[place[0]:place[0] + place[1]]
                     _write_aligned(out, f"archive/{record}", body)
                     if isinstance(body, memoryview):
                         body.release()
@@ -165,6 +162,13 @@ def write_slot_file(pending: PendingCheckpoint, folder: Path, index: int,
                 with contextlib.suppress(BufferError):  # (a view an error left: GC closes it)
                     mapped.close()
     pending.add_file(name)
+
+
+def _mapped(path: Path) -> mmap.mmap | None:
+    """``path`` mapped read-only, None where it is empty."""
+    with open(path, "rb") as raw:
+        size = os.fstat(raw.fileno()).st_size
+        return mmap.mmap(raw.fileno(), size, prot=mmap.PROT_READ) if size else None
 
 
 def _write_aligned(out: zipfile.ZipFile, name: str, body: Any) -> None:

@@ -24,42 +24,49 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["SLOTS", "slot_files", "slot_pickle", "read_slot", "slots_newest_first"]
+__all__ = ["SLOTS", "SlotFiles", "slot_files", "read_slot", "slots_newest_first"]
 
 #: Slots per directory: the one being written and the newest complete one.
 SLOTS = 2
 
 
-def slot_files(root: Path, index: int) -> tuple[Path, Path, Path]:
-    """Slot ``index``'s data, skeleton and manifest files in ``root``."""
-    return (root / f"slot-{index}.data", root / f"slot-{index}.pt", root / f"slot-{index}.json")
+class SlotFiles(NamedTuple):
+    """A slot's four files (see the module)."""
+
+    data: Path
+    skeleton: Path
+    pickle: Path
+    manifest: Path
 
 
-def slot_pickle(root: Path, index: int) -> Path:
-    """Slot ``index``'s ``data.pkl`` in ``root``."""
-    return root / f"slot-{index}.pkl"
+def slot_files(root: Path, index: int) -> SlotFiles:
+    """Slot ``index``'s files in ``root``."""
+    stem = root / f"slot-{index}"
+    return SlotFiles(*(stem.with_suffix(suffix) for suffix in (".data", ".pt", ".pkl", ".json")))
 
 
 def read_slot(root: Path, index: int) -> dict[str, Any] | None:
-    """Slot ``index``'s manifest if the slot is complete (its three files there, its records
-    inside its data file), else None."""
-    data, skeleton, manifest = slot_files(root, index)
+    """Slot ``index``'s manifest if the slot is complete (its files there, its records inside
+    its data file), else None."""
+    files = slot_files(root, index)
     try:
-        slot = json.loads(manifest.read_text())
-        skeleton.stat()
-        slot_pickle(root, index).stat()
-        records = slot.get("records") if isinstance(slot, dict) else None
-        size = data.stat().st_size if records else 0  # (a state without tensors has none)
-    except (OSError, ValueError, AttributeError):
+        slot = json.loads(files.manifest.read_text())
+        files.skeleton.stat()
+        files.pickle.stat()
+    except (OSError, ValueError):
         return None
     if not isinstance(slot, dict) or not isinstance(slot.get("step"), int) \
-            or not isinstance(slot.get("meta"), dict):
+            or not isinstance(slot.get("meta"), dict) \
+            or not isinstance(records := slot.get("records"), dict):
         return None
-    if not isinstance(records, dict) or any(
-            not isinstance(r, list) or len(r) != 2 or r[0] + r[1] > size
-            for r in records.values()):
+    try:
+        size = files.data.stat().st_size if records else 0  # (a state without tensors: none)
+    except OSError:
+        return None
+    if any(not isinstance(r, list) or len(r) != 2 or r[0] + r[1] > size
+           for r in records.values()):
         return None
     return slot
 

@@ -64,11 +64,6 @@ class Snapshot:
     _events: list[Any] = field(default_factory=list, repr=False)
     _sources: list[torch.Tensor] = field(default_factory=list, repr=False)
 
-    @property
-    def in_flight(self) -> bool:
-        """Whether device-to-host copies may still be landing (:meth:`wait_copied`)."""
-        return bool(self._events)
-
     def wait_copied(self) -> None:
         """Wait for asynchronous device-to-host copies (GPU state) to land."""
         for event in self._events:

@@ -18,9 +18,8 @@ The cadence follows what a slot costs the training, measured (the pause at the s
 all of it): a slot at every safe point where the median of the last five is at most 0.9 %
 of the time between safe points, else every k of them. (Of the 1 % the tier may take, a
 tenth is left for what a copy of the whole state leaves behind, the caches it emptied, and
-for pauses longer than their median.) A state on
-a GPU is copied on the side stream as a checkpoint's is; the thread waits for the copies to
-land.
+for pauses longer than their median.) A state on a GPU is copied on the side stream as a
+checkpoint's is; the thread waits for the copies to land.
 
 Before the first slot, the room for it is checked (the memory file system, the machine, the
 cgroup), and each slot's file takes its room when it is made (``posix_fallocate``), so that
@@ -51,7 +50,7 @@ import torch
 
 from ...protocol.control import ENV_TIER
 from ...protocol.events import append_event
-from ...protocol.slots import SLOTS, slot_files, slot_pickle
+from ...protocol.slots import SLOTS, slot_files
 from ...store.cgroups import HEADROOM, memory_short
 from ...store.files import format_size, write_file_atomic
 from .arena import HostArena, NotSnapshottable, Snapshot, round_up
@@ -98,8 +97,7 @@ class _Slot:
     """One of the writer's slots: its files, and the host arena that is its data file."""
 
     def __init__(self, root: Path, index: int) -> None:
-        self.data, self.skeleton, self.manifest = slot_files(root, index)
-        self.pickle = slot_pickle(root, index)
+        self.data, self.skeleton, self.pickle, self.manifest = slot_files(root, index)
         self.arena = HostArena(backing=self._map)
         #: The arena's layout the skeleton was written for, and the tensors' reductions
         #: pickled against it (see :class:`_SlotPickler`).
@@ -200,7 +198,7 @@ class TierWriter:
         return self.off is None and self._since >= self.every and bool(self._gaps)
 
     def busy(self) -> bool:
-        """Whether the previous slot is still being completed (a GPU's copies landing)."""
+        """Whether the previous slot is still being completed (its thread not done)."""
         thread = self._thread
         return thread is not None and thread.is_alive()
 
@@ -259,13 +257,14 @@ class TierWriter:
         time.sleep(wait)
         try:
             snapshot.wait_copied()
-            data_pkl, records = _pickled(snapshot.payload, slot)
-            if slot.layout != slot.arena.layouts:
+            if slot.layout != slot.arena.layouts:  # new slot tensors: a new skeleton
+                slot.reductions, slot.storages = {}, {}
                 tmp = slot.skeleton.with_name(f".tmp-{slot.skeleton.name}")
                 with torch.serialization.skip_data():
                     torch.save(snapshot.payload, tmp)
                 os.replace(tmp, slot.skeleton)
                 slot.layout = slot.arena.layouts
+            data_pkl, records = _pickled(snapshot.payload, slot)
             write_file_atomic(slot.pickle, data_pkl, durable=False)
             manifest = {"step": meta.get("step"), "meta": meta, "name": self.name,
                         "records": records, "bytes": snapshot.nbytes, "time": time.time()}
@@ -328,8 +327,6 @@ class _NotInSlot(Exception):
 def _pickled(payload: Any, slot: _Slot) -> tuple[bytes, dict[str, list[int]]]:
     """``payload``'s ``data.pkl`` as ``torch.save`` writes it, and for each of its storage
     records (``data/<key>``) where its bytes are in the slot's data file: [offset, bytes]."""
-    if slot.layout != slot.arena.layouts:
-        slot.reductions, slot.storages = {}, {}  # (new slot tensors)
     buffer = io.BytesIO()
     pickler = _SlotPickler(buffer, slot)
     pickler.dump(payload)
@@ -387,9 +384,8 @@ class _SlotPickler(pickle.Pickler):
                 described = (obj, torch.serialization.normalize_storage_type(type(obj)),
                              storage.nbytes())
             self.slot.storages[(id(obj), cdata)] = described
-        location = torch.serialization.location_tag(storage) if storage.device.type != "cpu" \
-            else "cpu"
-        return ("storage", described[1], key, location, described[2])
+        # (Every storage is in the slot, host memory: what location_tag says of it.)
+        return ("storage", described[1], key, "cpu", described[2])
 
 
 def _pause_for_tests() -> float:

@@ -68,7 +68,7 @@ def _newest_slot_bytes(tier: Path) -> int:
 
     slots = slots_newest_first(tier)
     try:
-        return slot_files(tier, slots[0][0])[0].stat().st_size if slots else 0
+        return slot_files(tier, slots[0][0]).data.stat().st_size if slots else 0
     except OSError:
         return 0
 
