@@ -121,6 +121,17 @@ def test_a_slot_is_completed_after_the_step_began_and_torn_until_then(tmp_path: 
     assert slot["step"] == 2 and slot["name"] == "state.pt" and slot["bytes"] == 1 << 18
 
 
+def test_a_slot_of_empty_tensors_only_is_kept(tmp_path: Path):
+    """No tensor bytes, so no data file: the slot is complete and kept all the same."""
+    tier, store = LauncherTier(tmp_path / "tier"), CheckpointStore(tmp_path / "ckpt").open()
+    _slot(_writer(tier.path), 3, {"empty": torch.zeros(0), "n": 3})
+    assert not (tier.path / "slot-0.data").exists()
+    kept = tier.keep_newest(store, 1)
+    assert kept is not None and kept.step == 3
+    loaded = torch.load(kept.path / "state.pt", weights_only=True)
+    assert loaded["n"] == 3 and loaded["empty"].shape == (0,)
+
+
 def test_the_tier_is_said_off_where_it_has_no_room(tmp_path: Path):
     with mounted_tmpfs(tmp_path / "small", "64k") as small:
         (small / "tier").mkdir()

@@ -139,7 +139,7 @@ def write_slot_file(pending: PendingCheckpoint, folder: Path, index: int,
         if {record for _, record in entries if record.startswith("data/")} != set(records):
             raise ValueError(f"slot {index} in {folder}: its skeleton's storages are not its "
                              "records")
-        mapped = _mapped(files.data) if records else None
+        mapped = _mapped(files.data)
         try:
             with open(pending.path / name, "xb") as target, \
                     zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as out:
@@ -150,7 +150,7 @@ def write_slot_file(pending: PendingCheckpoint, folder: Path, index: int,
                         body = data_pkl
                     elif place is None:
                         body = source.read(info)
-                    elif mapped is None:  # (a data file of no bytes: empty storages only)
+                    elif mapped is None:  # (no data file: empty storages only)
                         body = b""
                     else:
                         body = memoryview(mapped)[place[0]:place[0] + place[1]]
@@ -165,7 +165,10 @@ def write_slot_file(pending: PendingCheckpoint, folder: Path, index: int,
 
 
 def _mapped(path: Path) -> mmap.mmap | None:
-    """``path`` mapped read-only, None where it is empty."""
+    """``path`` mapped read-only, None where it is empty or not there (a state of no tensor
+    bytes has no data file)."""
+    if not path.exists():
+        return None
     with open(path, "rb") as raw:
         size = os.fstat(raw.fileno()).st_size
         return mmap.mmap(raw.fileno(), size, prot=mmap.PROT_READ) if size else None

@@ -62,7 +62,9 @@ def read_slot(root: Path, index: int) -> dict[str, Any] | None:
             or not isinstance(records := slot.get("records"), dict):
         return None
     try:
-        size = files.data.stat().st_size if records else 0  # (a state without tensors: none)
+        size = files.data.stat().st_size
+    except FileNotFoundError:  # (a state of no tensor bytes has no data file)
+        size = 0
     except OSError:
         return None
     if any(not isinstance(r, list) or len(r) != 2 or r[0] + r[1] > size
