@@ -259,8 +259,11 @@ def filled_after_first_checkpoint(tmpfs: Path, args: list[str], first_within: fl
 
 def test_a_full_disk_is_one_line_one_cycle_and_the_previous_checkpoint_intact(small_tmpfs):
     ckpt = small_tmpfs / "ckpt"
+    # The launcher's next request comes 5 s after the first checkpoint, well after the fill:
+    # with 2 s, a loaded CI runner filled the disk after it was already written, and the
+    # training's checkpoint, not the launcher's request, was the first write to fail.
     code, _, stderr, kept, _ = filled_after_first_checkpoint(
-        small_tmpfs, ["--time-limit", "14s", "--grace", "4s", "--interval", "2s", "--", *TINY,
+        small_tmpfs, ["--time-limit", "20s", "--grace", "4s", "--interval", "5s", "--", *TINY,
                       "--epochs", "50", "--step-sleep", "0.2"], first_within=60)
     assert code == 74, stderr[-3000:]
     assert "Traceback" not in stderr and "unexpected pos" not in stderr, stderr[-3000:]

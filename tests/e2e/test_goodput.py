@@ -14,6 +14,7 @@ import pytest
 from procckpt.inspect.report import COLOURS, PLOT_BACKGROUND
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness.processes import events
 
 # One worker runs the module, so that its crashed run (a few minutes) runs once.
 pytestmark = pytest.mark.xdist_group("goodput")
@@ -27,17 +28,19 @@ FAIL_AT = 40
 
 @pytest.fixture(scope="module")
 def crashed_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
-    """A run with slow starts (3 s before the Checkpointer), 20 s cycles, and a crash of its
-    first cycle (exit 3 at step 40, two seconds into training, before any checkpoint; the
-    cycle leaves room for imports that take 10 s under load). Without the memory tier, whose
-    kept steps test_memory_tier.py counts: here the crash keeps nothing."""
+    """A run with slow starts (3 s before the Checkpointer), 20 s cycles, and a crash (exit 3
+    at step 40, two seconds into training, before any checkpoint) of the first cycle that
+    reaches step 40: the first one, but where the imports took the cycle (47 s at the start
+    of a loaded CI run), a later one. Without the memory tier, whose kept steps
+    test_memory_tier.py counts: here the crash keeps nothing."""
     workdir = tmp_path_factory.mktemp("goodput")
     ckpt = workdir / "ckpt"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s", "--grace",
                "3s", "--restart-on-failure", "--max-restarts", "20", "--no-memory-tier", "--",
                *TINY,
                "--epochs", str(EPOCHS), "--step-sleep", str(STEP_SLEEP), "--start-seconds", "3",
-               "--fail-at-step", str(FAIL_AT)], cwd=workdir, timeout=400)
+               "--fail-at-step", str(FAIL_AT), "--fail-once", str(workdir / "failed")],
+              cwd=workdir, timeout=400)
     assert res.returncode == 0, res.stderr[-4000:]
     status = run([*procckpt_argv(), "status", "--json", str(ckpt)], cwd=workdir)
     assert status.returncode == 0, status.stderr
@@ -53,20 +56,35 @@ def test_the_parts_add_up_and_each_sees_what_happened(crashed_run: tuple[Path, d
     assert abs(sum(seconds.values()) - wall) <= 0.03 * wall, goodput
     assert goodput["ettr"] == pytest.approx(seconds["training"] / wall, abs=1e-3)
     cycles = goodput["cycles"]
-    assert len(cycles) >= 3, cycles  # the crash, then time-limit cycles
-    assert [c["ended"] for c in cycles[:1]] == ["failed"] and cycles[0]["exit_code"] == 3
-    assert cycles[-1]["ended"] == "finished", cycles[-1]
-    assert all(c["ended"] == "stopped" for c in cycles[1:-1]), cycles
+    ended = [(c["ended"], c["exit_code"]) for c in cycles]
+    # The crash: "failed", or "unconfirmed" where a deadline's checkpoint was asked for when
+    # it came (under load, where step 40 came late in its cycle).
+    crashes = [i for i, c in enumerate(cycles) if c["exit_code"] == 3]
+    assert len(crashes) == 1, ended
+    crash = crashes[0]
+    assert cycles[crash]["ended"] in ("failed", "unconfirmed"), ended
+    # Before it, only cycles that ended short of step 40, under load (none on a quiet
+    # machine); after it, time-limit cycles.
+    assert all(c["ended"] in ("stopped", "unconfirmed") for c in cycles[:crash]), ended
+    assert len(cycles) - crash >= 3, ended  # the crash, then time-limit cycles
+    assert cycles[-1]["ended"] == "finished", ended
+    assert all(c["ended"] == "stopped" for c in cycles[crash + 1:-1]), ended
     # The slow starts: 3 s of each cycle before the Checkpointer was ready, besides imports.
-    assert all(c["seconds"]["startup"] >= 3.0 for c in cycles), cycles
-    # The crashed cycle's 39 steps were trained again: lost, none of it counted as training.
-    assert cycles[0]["seconds"]["lost"] >= (FAIL_AT - 1) * STEP_SLEEP, cycles[0]
-    assert cycles[0]["seconds"]["training"] == 0, cycles[0]
-    # The crash left no checkpoint: the cycle after it started anew; every later one
-    # resumed from a checkpoint.
-    assert cycles[1]["seconds"]["restore"] == 0, cycles[1]
-    assert all(c["seconds"]["restore"] > 0 for c in cycles[2:]), cycles
-    assert all(c["checkpoints"] >= 1 for c in cycles[1:]), cycles
+    assert all(c["seconds"]["startup"] >= 3.0 for c in cycles), \
+        [c["seconds"]["startup"] for c in cycles]
+    # The crashed cycle's steps (39, from a start anew) were trained again: lost, none of
+    # them counted as training.
+    began = next((e["step"] for e in events(ckpt, "resume") if e["restart"] == crash), 0)
+    assert cycles[crash]["seconds"]["lost"] >= (FAIL_AT - 1 - began) * STEP_SLEEP, cycles
+    assert cycles[crash]["seconds"]["training"] == 0, cycles[crash]
+    # The crash left no checkpoint: the cycle after it began where the crashed one did
+    # (anew, with nothing to restore, unless a cycle before it had stopped with one); every
+    # later one resumed from a checkpoint.
+    restores = [c["seconds"]["restore"] for c in cycles]
+    assert (restores[crash + 1] > 0) == (began > 0), (began, restores)
+    assert all(seconds > 0 for seconds in restores[crash + 2:]), restores
+    assert all(c["checkpoints"] >= 1 for c in cycles[crash + 1:]), \
+        [c["checkpoints"] for c in cycles]
     # Training time: at least the steps' sleeps of one uninterrupted pass.
     assert seconds["training"] >= STEPS * STEP_SLEEP, goodput
     assert seconds["queue"] == 0  # not a Slurm job

@@ -93,7 +93,7 @@ def test_a_training_killed_twice_resumes_from_the_memory_tier_bit_identical(work
             if not kills and step >= 20:
                 os.kill(_training_pid(ckpt), signal.SIGKILL)
                 kills.append(step)
-            elif len(kills) == 1 and step >= 60 and not watcher.is_alive() and not torn.is_set():
+            elif len(kills) == 1 and step >= 60 and watcher.ident is None:
                 watcher.start()
         proc.wait(timeout=300)
     finally:

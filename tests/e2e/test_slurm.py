@@ -355,7 +355,11 @@ def test_sbatch_requeues_through_three_cycles_and_resumes_exactly(slurm_jobs: Su
     unconnected = log.count("(the command never connected to procckpt)")
     assert len(starts) + unconnected == restarts + 1 and starts[0] == 0, starts
     assert trained_steps(log) == list(range(1, TRAIN_STEPS + 1))
-    assert log.count("procckpt: requeued Slurm job") == restarts
+    # Each requeue said once: by procckpt's own requeue, or seen as Slurm's (a preemption).
+    requeues = re.findall(r"^procckpt: (?:requeued Slurm job|Slurm job \d+ stopped .* Slurm has "
+                          r"requeued it already)", log, flags=re.M)
+    assert len(requeues) == restarts, "\n".join(
+        line for line in log.splitlines() if "requeue" in line or "cycle" in line)
     stops = [e["reason"] for e in job.events if e["event"] == "trigger" and e["action"] == "stop"]
     # The last cycle may get its USR1 while the finished training writes its output.
     assert restarts <= len(stops) <= restarts + 1, stops
@@ -396,7 +400,10 @@ def test_restart_budget_exhausted_stops_with_a_clear_message(slurm_jobs: Submitt
     assert record["Restarts"] == "1"
     assert (f"restart budget exhausted: Slurm job {job.job_id} has used 1 of --max-restarts 1"
             in job.log), job.log[-2000:]
-    assert len(cycle_starts(job.log)) == 2
+    # Two cycles, as the journal has them: under load the second one's training may be
+    # stopped before it printed its start (seen in CI).
+    assert len([e for e in job.events if e["event"] == "cycle"]) == 2, job.log[-3000:]
+    assert cycle_starts(job.log)[0] == 0, job.log[-3000:]
     assert [e for e in job.events if e["event"] == "checkpoint"][-1]["step"] > 0
 
 

@@ -17,6 +17,17 @@ from torch.utils.data import DataLoader, TensorDataset
 import procckpt
 
 
+def _first_failure(restart: int, marker: str | None) -> bool:
+    """Whether --fail-at-step fails now: on the first start, or once per ``marker`` file."""
+    if marker is None:
+        return restart == 0
+    if os.path.exists(marker):
+        return False
+    with open(marker, "w"):
+        pass
+    return True
+
+
 def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=3)
@@ -30,6 +41,9 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
     parser.add_argument("--save-every", type=int, default=None)
     parser.add_argument("--fail-at-step", type=int, default=None,
                         help="exit 3 at this step (only on the first start)")
+    parser.add_argument("--fail-once", default=None,
+                        help="with --fail-at-step: fail the first time the step is reached, "
+                             "whichever start that is (this file marks it done)")
     parser.add_argument("--crash-at-step", type=int, default=None,
                         help="die of SIGSEGV at this step, at every start (a bug), once "
                              "the checkpoints in flight are durable")
@@ -94,7 +108,7 @@ def main() -> None:  # noqa: C901, PLR0915 (a test program's every switch)
             elif ema is not None:
                 ema.update_parameters(model)
             if args.fail_at_step is not None and ckpt.step + 1 == args.fail_at_step \
-                    and ckpt.restart == 0:
+                    and _first_failure(ckpt.restart, args.fail_once):
                 raise SystemExit(3)
             if ckpt.step + 1 == args.crash_at_step:
                 # Once the checkpoints in flight are durable: where the restart resumes from
