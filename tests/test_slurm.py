@@ -77,6 +77,8 @@ class FakeSlurm:
         self.slurmd_port = 6818
         #: What ``scontrol show job`` prints once ``scontrol requeue`` has run, if it changes.
         self.record_after_requeue: str | None = None
+        #: Set: ``scontrol requeue`` does its work but times out before it answers.
+        self.requeue_timeout = False
         #: ``KillWait`` in ``scontrol show config``, in seconds (None: not said).
         self.kill_wait: int | None = None
         #: Set: ``scontrol show job`` answers only once it is set (a controller that is slow).
@@ -102,6 +104,8 @@ class FakeSlurm:
         elif argv[:2] == ["scontrol", "requeue"]:
             rc, err = self.requeue_rc, self.requeue_err
             self.record = self.record_after_requeue or self.record
+            if self.requeue_timeout:
+                raise subprocess.TimeoutExpired(argv, 15.0)
         elif argv[:3] == ["scontrol", "write", "batch_script"]:
             out, rc = (self.script, 0) if self.script is not None else ("", 1)
         elif argv[:3] == ["scontrol", "show", "config"]:
@@ -403,6 +407,24 @@ def test_a_requeue_whose_scontrol_the_requeue_itself_killed_counts_if_slurm_did_
     verdict = policy_for(early, SLURM_RESTART_COUNT="1").after_stop(StopCause.DEADLINE, None, 1)
     assert verdict.decision is Decision.EXIT_RETRY
     assert verdict.message.startswith("scontrol requeue 42 failed: exit code -15")
+
+
+def test_a_requeue_whose_scontrol_timed_out_counts_if_slurm_did_it():
+    # A loaded controller: scontrol requeue times out, but the job was requeued (seen in CI,
+    # where a cycle's "requeued" line was missing though Slurm counted the restart).
+    slow = FakeSlurm()
+    slow.requeue_timeout = True
+    slow.record_after_requeue = record_line(state="COMPLETING", restarts=1)
+    verdict = policy_for(slow).after_stop(StopCause.DEADLINE, None, 0)
+    assert verdict.decision is Decision.REQUEUED, verdict.message
+    assert verdict.message.startswith("requeued Slurm job 42 (its time limit is near)")
+    # Timed out and not done: the one line says so.
+    lost = FakeSlurm()
+    lost.requeue_timeout = True
+    verdict = policy_for(lost).after_stop(StopCause.DEADLINE, None, 0)
+    assert verdict.decision is Decision.EXIT_RETRY
+    assert verdict.message.startswith("scontrol requeue 42 failed: scontrol could not be run, "
+                                      "or did not answer in time")
 
 
 def test_a_job_cancelled_while_it_checkpointed_for_its_limit_is_not_brought_back():

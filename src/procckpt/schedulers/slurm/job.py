@@ -179,14 +179,17 @@ class SlurmJob:
     def requeue(self) -> tuple[bool, str]:
         """``scontrol requeue`` this job (this task of an array); (done, Slurm's message)."""
         res = self._call(["scontrol", "requeue", self.env.requeue_target])
-        if res is None:
-            return False, "scontrol could not be run"
-        if res.returncode < 0 and self.requeued():
-            # Slurm signals every process of a job it requeues, scontrol too if it has not
-            # exited yet: killed by a signal, it may still have done its work.
+        if res is not None and res.returncode == 0:
             return True, "requeued"
+        if (res is None or res.returncode < 0) and self.requeued():
+            # Slurm signals every process of a job it requeues, scontrol too if it has not
+            # exited yet; and a loaded controller may answer after scontrol's time-out. Killed
+            # or timed out, it may still have done its work: the job's Restarts tells.
+            return True, "requeued"
+        if res is None:
+            return False, "scontrol could not be run, or did not answer in time"
         message = (res.stderr or res.stdout).strip().splitlines()
-        return res.returncode == 0, message[-1] if message else f"exit code {res.returncode}"
+        return False, message[-1] if message else f"exit code {res.returncode}"
 
     def requeued(self) -> bool:
         """Whether Slurm has requeued this job since it started (its Restarts went up)."""
