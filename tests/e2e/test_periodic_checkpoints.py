@@ -98,7 +98,10 @@ def test_a_grace_shorter_than_a_measured_checkpoint_is_said_with_the_number_to_u
     # Asked that much earlier, every stop's checkpoint was confirmed in time. (30 s of steps
     # against a 24-s limit: at least one deadline stop everywhere.)
     assert [e for e in events(ckpt, "trigger") if e["reason"] == "deadline"], res.stderr[-3000:]
-    assert not events(ckpt, "unconfirmed")
+    # (But where the deadline came as the last cycle's training had finished its steps and
+    # wrote its output, no safe point was left to answer: seen on a loaded machine.)
+    finished = {e["cycle"] for e in events(ckpt, "cycle-end") if e["ended"] == "finished"}
+    assert all(e["cycle"] in finished for e in events(ckpt, "unconfirmed")), res.stderr[-3000:]
 
 
 def test_the_deadline_is_asked_for_early_enough_to_cover_a_validation_pass(workdir: Path):
