@@ -1,8 +1,12 @@
 """The kill campaign's short version (benchmarks/kill_campaign.py): every case killed with
-SIGKILL twice (the whole tree or the training alone), each kill aimed at a phase drawn at
-random (start-up, the first batch after a resume, training, a checkpoint's write, its commit,
-its upload), resumed, and counted: no sample trained twice or never, final weights
-bit-identical to an uninterrupted run. The report's 25 kills per case are in BENCHMARKS.md."""
+SIGKILL once (the whole tree or the training alone, at random), the kill aimed at a phase
+drawn at random (start-up, the first batch after a resume, training, a checkpoint's write, its
+commit, its upload), resumed, and counted: no sample trained twice or never, final weights
+bit-identical to an uninterrupted run. The report's 25 kills per case are in BENCHMARKS.md.
+
+(Two kills a case took this test 550-830 s of a worker, the longest of the suite: most of it
+the cases' start-ups, one after the other. One a case still reaches every case's resume; the
+seed picks each case's phase and kind of kill, and the benchmark's 25 a case cover them all.)"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
-    done = run([sys.executable, str(REPO / "benchmarks" / "kill_campaign.py"), "--kills", "2",
+    done = run([sys.executable, str(REPO / "benchmarks" / "kill_campaign.py"), "--kills", "1",
                 "--seed", "1"], cwd=workdir, timeout=1500)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]
@@ -28,9 +32,9 @@ def test_a_short_kill_campaign_counts_every_sample_once(workdir: Path):
         kills = cells[1]
         if kills.startswith("skipped"):
             continue
-        # Both landed, and each in a phase it names; more where a life needed a resume for
-        # the first batch after one (a start-up kill before its first checkpoint).
-        assert int(kills) >= 2, row
+        # It landed, in a phase it names; more where a life needed a resume for the first
+        # batch after one (a start-up kill before its first checkpoint).
+        assert int(kills) >= 1, row
         assert sum(int(c) for c in cells[2:8]) == int(kills), row
         twice, never, identical = cells[-3:]
         assert (twice, never, identical) == ("0", "0", "yes"), row
