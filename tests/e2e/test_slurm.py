@@ -1,9 +1,9 @@
 """procckpt on a real single-node Slurm cluster: requeue, scancel, chains, containers.
 
-All jobs are submitted at once by the module fixture and run side by side (the cluster has 8
-CPU slots), so the module takes about as long as its slowest job: ~4 minutes. Each test then
-waits for its own job. A thread polls ``scontrol show job`` every 2 s and keeps the last record
-of every job, since Slurm forgets finished jobs after MinJobAge.
+All jobs are submitted by the module fixture, a few seconds apart, and run side by side (the
+cluster has 8 CPU slots), so the module takes about as long as its slowest job: ~4 minutes.
+Each test then waits for its own job. A thread polls ``scontrol show job`` every 2 s and keeps
+the last record of every job, since Slurm forgets finished jobs after MinJobAge.
 
 Cycle lengths: a one-minute job (``-t 1``) gets USR1 from ``--signal=B:USR1@15`` 15-45 s after it
 starts (Slurm checks time limits every 30 s and signals up to 30 s early), or checkpoints at
@@ -36,7 +36,7 @@ from ..harness.slurm_cluster import (
     parse_scontrol_record,
 )
 
-# One worker runs the module: its fixture submits every job at once and computes references
+# One worker runs the module: its fixture submits every job and computes references
 # beside them, which a second copy on another worker would starve of the two CPUs.
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("slurm-jobs")]
 
@@ -56,6 +56,10 @@ POLY_ARGS = ["--epochs", "600", "--sleep", "0.1"]
 # Long enough never to finish within the tests.
 ENDLESS_ARGS = ["--epochs", "500", "--step-sleep", "0.5"]
 WAIT = 720.0  # generous bound for one test's job; the module normally takes ~4 minutes
+# Seconds between the fixture's submissions: eight trainings importing torch in the same
+# seconds, at the suite's start beside the other modules handed out first, made each take
+# much of its first one-minute cycle to start on a loaded runner (CI: load 10-12).
+STAGGER = 3.0
 
 
 class JobWatcher:
@@ -184,14 +188,18 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     cluster = slurm_cluster
     # The scancel job: long enough that no time limit is near when it is cancelled.
     procckpt_sbatch(cluster, jobs["cancel"], ["-t", "10"], [PYTHON, str(TINY), *ENDLESS_ARGS])
+    time.sleep(STAGGER)
     procckpt_sbatch(cluster, jobs["requeue"], ["-t", "1"],
                     [PYTHON, str(TINY), *TRAIN_ARGS, "--out", str(jobs["requeue"].workdir /
                                                                   "final.pt")])
+    time.sleep(STAGGER)
     procckpt_sbatch(cluster, jobs["chain"], ["-t", "1", "--chain", str(CHAIN_TASKS)],
                     [PYTHON, str(TINY), *CHAIN_ARGS, "--out", str(jobs["chain"].workdir /
                                                                   "final.pt")])
+    time.sleep(STAGGER)
     procckpt_sbatch(cluster, jobs["budget"], ["-t", "1", "--max-restarts", "1"],
                     [PYTHON, str(TINY), *ENDLESS_ARGS])
+    time.sleep(STAGGER)
     # A job script written by hand with no --signal at all: only the end time from Slurm
     # can make procckpt checkpoint before the limit.
     nosignal = jobs["nosignal"]
@@ -199,6 +207,7 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
               f"exec procckpt run --dir {nosignal.workdir / 'ckpt'} -- {PYTHON} {POLY} "
               f"{' '.join(POLY_ARGS)} --out {nosignal.workdir / 'final.pt'}\n")
     nosignal.job_id = _sbatch_file(cluster, nosignal, script)
+    time.sleep(STAGGER)
 
     # A one-minute job whose limit the test extends while it runs.
     extend = jobs["extend"]
@@ -206,6 +215,7 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
               f"exec procckpt run --dir {extend.workdir / 'ckpt'} -- {PYTHON} {TINY} "
               f"{' '.join(ENDLESS_ARGS)}\n")
     extend.job_id = _sbatch_file(cluster, extend, script)
+    time.sleep(STAGGER)
     threading.Thread(target=_extend_once_running, args=(cluster, extend), daemon=True).start()
     # Everything the start-up checks look for at once: no `exec` while the script asks for a
     # B: signal, no --open-mode=append, --no-requeue, a checkpoint dir under /tmp.
@@ -216,6 +226,7 @@ def slurm_jobs(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
               f"procckpt run --dir {local_dir / 'ckpt'} -- {PYTHON} {TINY} "
               f"{' '.join(ENDLESS_ARGS)}\n")
     warned.job_id = _sbatch_file(cluster, warned, script)
+    time.sleep(STAGGER)
 
     # Container mode through a stand-in for Pyxis' srun (see tests/harness/programs/pyxis_srun):
     # procckpt inside has no scontrol; the job script outside requeues on its exit code 75.
