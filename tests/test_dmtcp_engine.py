@@ -27,11 +27,12 @@ from procckpt.launcher.engines.dmtcp import (
     forks,
     saved_files,
 )
+from procckpt.launcher.engines.dmtcp import engine as dmtcp_engine
 from procckpt.launcher.engines.dmtcp.coordinator import Coordinator
 from procckpt.launcher.engines.dmtcp.cycle import Cycle, Job
 from procckpt.launcher.engines.dmtcp.forks import own_processes
 from procckpt.protocol.events import read_events
-from procckpt.store import CheckpointStore
+from procckpt.store import CheckpointInfo, CheckpointStore
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -350,12 +351,16 @@ class ImagingCoordinator(FakeCoordinator):
         return done
 
 
-def take(engine: DmtcpEngine, pid: int, images: int) -> Confirmation:
-    """One interval checkpoint of the command ``pid`` whose image holds ``images`` processes."""
-    fake = ImagingCoordinator(engine, images)
+def take(engine: DmtcpEngine, pid: int, images: int,
+         restored_from: CheckpointInfo | None = None, fake: ImagingCoordinator | None = None,
+         ) -> Confirmation:
+    """One interval checkpoint of the command ``pid`` whose image holds ``images`` processes
+    (restored from an image, it began to run just now)."""
+    fake = fake or ImagingCoordinator(engine, images)
     with subprocess.Popen(["sleep", "60"]) as coordinator_proc:
         coordinator = Coordinator(TOOLS, coordinator_proc, 1, run=fake.run)
-        engine._cycle = Cycle("token", coordinator, None, pid=pid)
+        engine._cycle = Cycle("token", coordinator, restored_from, pid=pid)
+        engine._cycle.running_at = time.monotonic()
         engine._cycle.running.set()
         try:
             return engine._checkpoint(Job(1, "interval", stop=False))
@@ -386,3 +391,63 @@ def test_an_image_of_the_command_and_a_program_it_started_is_kept(engine: DmtcpE
     assert kept.checkpoint is not None and kept.error is None
     assert engine.store.newest_intact().manifest["dmtcp"]["images"] == [
         "ckpt_python3.11_98ff-40000-1.dmtcp", "ckpt_python3.11_98ff-41000-1.dmtcp"]
+
+
+def restored(engine: DmtcpEngine, ran_for: float, job: Job | None = None) -> str:
+    """A cycle restored from the newest of two images, ended ``ran_for`` seconds after DMTCP
+    said it runs; the newest image's name."""
+    commit(engine.store, "dmtcp")
+    newest = commit(engine.store, "dmtcp")
+    info = engine._newest_image()
+    assert info is not None and info.name == newest
+    with subprocess.Popen(["sleep", "60"]) as proc:
+        engine._cycle = Cycle("token", Coordinator(TOOLS, proc, 1), info, pid=proc.pid)
+        proc.kill()
+    engine._cycle.running.set()
+    engine._cycle.running_at = 100.0
+    engine._cycle.over_at = 100.0 + ran_for
+    engine._job = job
+    return newest
+
+
+def test_a_restored_command_that_faults_at_once_falls_back_to_the_image_before(
+        engine: DmtcpEngine):
+    newest = restored(engine, ran_for=2.6)
+    said = engine.after_exit(128 + signal.SIGSEGV, requested=False)
+    assert said is not None and said.startswith(f"restarting from {newest} failed (the restored "
+                                                "command was killed by SIGSEGV 3s after")
+    assert engine._newest_image().name != newest
+    (failed,) = [e for e in read_events(engine.store.events_path)
+                 if e["event"] == "restore-failed"]
+    assert failed["checkpoint"] == newest and failed["exit_code"] == 139
+
+
+@pytest.mark.parametrize("case", ["later", "own image begun", "not a fault", "signalled"])
+def test_other_ends_of_a_restored_command_are_the_supervisors_to_judge(engine: DmtcpEngine,
+                                                                       case: str):
+    job = Job(1, "interval", stop=False)
+    job.wrote = case == "own image begun"
+    newest = restored(engine, ran_for=45.0 if case == "later" else 2.0, job=job)
+    code = 128 + (signal.SIGKILL if case == "not a fault" else signal.SIGSEGV)
+    assert engine.after_exit(code, requested=False, signalled=case == "signalled") is None
+    assert engine._newest_image().name == newest
+
+
+def test_a_restored_command_is_imaged_once_it_ran_a_moment(engine: DmtcpEngine, family,
+                                                           monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(dmtcp_engine, "SETTLE_AFTER_RESTORE_S", 0.5)
+    commit(engine.store, "dmtcp")
+    fake = ImagingCoordinator(engine, 1)
+    asked: list[float] = []
+    answer = fake.run
+
+    def run(argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        if argv[-1] != "--status":
+            asked.append(time.monotonic())
+        return answer(argv, **kwargs)
+
+    fake.run = run  # type: ignore[method-assign]
+    kept = take(engine, family(program=False), images=1,
+                restored_from=engine._newest_image(), fake=fake)
+    assert kept.checkpoint is not None and kept.error is None
+    assert len(asked) == 1 and asked[0] - engine._cycle.running_at >= 0.5

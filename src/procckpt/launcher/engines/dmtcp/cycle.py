@@ -43,6 +43,7 @@ class Cycle:
     restored_from: CheckpointInfo | None
     pid: int | None = None
     running: threading.Event = field(default_factory=threading.Event)
+    running_at: float = 0.0  # (monotonic) when DMTCP said it runs
     over: threading.Event = field(default_factory=threading.Event)
     over_at: float = 0.0
     restore_failed: str | None = None

@@ -55,6 +55,15 @@ AFTER_EXIT_WAIT_S = 10.0
 ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
 #: Overrides the restore time limit (a duration: 90s, 10m) for slow filesystems.
 ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
+#: Signals of a fault: a restored command that one ends within FAULT_AFTER_RESTORE_S of DMTCP's
+#: running state, before any image of its own, is a failed restore of that image.
+_FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                     signal.SIGABRT})
+FAULT_AFTER_RESTORE_S = 30.0
+#: A restored command is imaged no sooner than this after DMTCP's running state. (The bad image
+#: above was asked for while the restore ran and taken the moment it ran: a precaution, since
+#: what in that moment made it bad is not known.)
+SETTLE_AFTER_RESTORE_S = 2.0
 
 
 class DmtcpEngine(Engine):
@@ -230,9 +239,14 @@ class DmtcpEngine(Engine):
         if requested:
             return None
         image = cycle.restored_from
-        if image is None or (cycle.running.is_set() and cycle.restore_failed is None):
+        if image is None:
             return None  # a crash of the command itself: the supervisor's rules apply
-        why = cycle.restore_failed or f"dmtcp_restart exited with {exit_code}"
+        if cycle.running.is_set() and cycle.restore_failed is None:
+            why = self._fault_after_restore(cycle, exit_code, signalled)
+            if why is None:
+                return None  # the command's own exit or crash: the supervisor's rules apply
+        else:
+            why = cycle.restore_failed or f"dmtcp_restart exited with {exit_code}"
         self._failed_images.add(image.name)
         append_event(self.store.events_path, "restore-failed", checkpoint=image.name,
                      exit_code=exit_code, problem=why)
@@ -244,6 +258,28 @@ class DmtcpEngine(Engine):
             return None
         return (f"restarting from {image.name} failed ({why}); falling back to the previous "
                 f"image, {older.name}")
+
+    def _fault_after_restore(self, cycle: Cycle, exit_code: int, signalled: bool) -> str | None:
+        """Why the image the cycle restored is taken for a failed restore although DMTCP
+        brought it to its running state: a fault (SIGSEGV, ...) ended the command within
+        :data:`FAULT_AFTER_RESTORE_S` of it, before DMTCP began an image of its own. None
+        for any other end.
+
+        Seen in CI under load (2026-12-01): an image of 634 MB, taken moments after the
+        restored process it images reached the running state, died of SIGSEGV 3 s into
+        every restart of it, while the image before it restarted and trained on. Ended there,
+        the run would need a person; falling back costs the work between the two images. A
+        fault of the command's own, soon after every restore, falls back image by image to
+        the oldest and then ends the run with the usual error."""
+        signum = exit_code - 128 if exit_code > 128 else 0
+        job = self._job
+        if (signalled or signum not in _FAULTS
+                or cycle.over_at - cycle.running_at > FAULT_AFTER_RESTORE_S
+                or (job is not None and (job.wrote or job.committing))):
+            return None
+        return (f"the restored command was killed by {signal.Signals(signum).name} "
+                f"{cycle.over_at - cycle.running_at:.0f}s after DMTCP's running state, before "
+                "any image of its own")
 
     def _stopped_after_image(self) -> bool:
         """Whether DMTCP may have ended the command after a stop's image (--kcheckpoint):
@@ -281,6 +317,7 @@ class DmtcpEngine(Engine):
         while not cycle.over.is_set():
             state = cycle.coordinator.status()
             if state is not None and state[0] >= 1 and state[1]:
+                cycle.running_at = time.monotonic()
                 cycle.running.set()
                 if cycle.pid:
                     self.copies.watch(cycle.pid, cycle.restored_from is not None, cycle.over,
@@ -388,7 +425,10 @@ class DmtcpEngine(Engine):
                 if script is None or sent_at is None:
                     return None
                 return self.image_dir.image_names(script), now - sent_at
-            if sent_at is None and cycle.running.is_set() and not cycle.over.is_set():
+            settled = cycle.restored_from is None or \
+                now - cycle.running_at >= SETTLE_AFTER_RESTORE_S
+            if sent_at is None and cycle.running.is_set() and settled \
+                    and not cycle.over.is_set():
                 if cycle.coordinator.checkpoint(command,
                                                 before_send=lambda: self._count(cycle, job)):
                     sends += 1
