@@ -68,9 +68,17 @@ def test_the_parts_add_up_and_each_sees_what_happened(crashed_run: tuple[Path, d
     assert all(c["ended"] in ("stopped", "unconfirmed") for c in cycles[:crash]), ended
     assert len(cycles) - crash >= 3, ended  # the crash, then time-limit cycles
     assert cycles[-1]["ended"] == "finished", ended
-    assert all(c["ended"] == "stopped" for c in cycles[crash + 1:-1]), ended
+    # After it, time-limit cycles; under load some of them "unconfirmed" too (this session's
+    # fresh-clone run: start-ups of 11-19 s against 20-s cycles, one whose training had not
+    # connected when its deadline came).
+    later = cycles[crash + 1:-1]
+    assert all(c["ended"] in ("stopped", "unconfirmed") for c in later), ended
+    assert any(c["ended"] == "stopped" for c in later), ended
+    stopped = [i for i, c in enumerate(cycles) if i > crash and c["ended"] != "unconfirmed"]
     # The slow starts: 3 s of each cycle before the Checkpointer was ready, besides imports.
-    assert all(c["seconds"]["startup"] >= 3.0 for c in cycles), \
+    # (A cycle whose training never connected before its deadline is lost whole.)
+    assert all(c["seconds"]["startup"] >= 3.0 for c in cycles if c["ended"] != "unconfirmed"
+               or c["seconds"]["lost"] < 0.9 * sum(c["seconds"].values())), \
         [c["seconds"]["startup"] for c in cycles]
     # The crashed cycle's steps (39, from a start anew) were trained again: lost, none of
     # them counted as training.
@@ -81,9 +89,10 @@ def test_the_parts_add_up_and_each_sees_what_happened(crashed_run: tuple[Path, d
     # (anew, with nothing to restore, unless a cycle before it had stopped with one); every
     # later one resumed from a checkpoint.
     restores = [c["seconds"]["restore"] for c in cycles]
-    assert (restores[crash + 1] > 0) == (began > 0), (began, restores)
-    assert all(seconds > 0 for seconds in restores[crash + 2:]), restores
-    assert all(c["checkpoints"] >= 1 for c in cycles[crash + 1:]), \
+    if cycles[crash + 1]["ended"] != "unconfirmed":
+        assert (restores[crash + 1] > 0) == (began > 0), (began, restores)
+    assert all(restores[i] > 0 for i in stopped if i >= crash + 2), restores
+    assert all(cycles[i]["checkpoints"] >= 1 for i in stopped), \
         [c["checkpoints"] for c in cycles]
     # Training time: at least the steps' sleeps of one uninterrupted pass.
     assert seconds["training"] >= STEPS * STEP_SLEEP, goodput
