@@ -82,8 +82,12 @@ def assert_requeued_and_resumed_from_images(watcher: JobWatcher, job: Job, total
     # One log for all cycles: every step printed exactly once, in order, so no cycle went
     # back (a stop's image is taken with --kcheckpoint: nothing runs past it).
     assert steps(log) == list(range(1, total + 1)), said
+    # One restart a cycle, and one more for each image that failed to restore (the engine
+    # fell back to the one before it within the cycle; none on a quiet machine).
     resumes = [e for e in job.events if e["event"] == "resume" and e.get("engine") == "dmtcp"]
-    assert len(resumes) == restarts, (resumes, said)
+    failed = [e for e in job.events if e["event"] == "restore-failed"]
+    assert len(resumes) == restarts + len(failed), (resumes, said)
+    assert len(failed) <= 1, said
     assert "DUE TO TIME LIMIT" not in log, said
 
 
