@@ -56,6 +56,8 @@ DUMP_BYTES_PER_S = 20e6
 #: A stop's dump that met a process of the tree ending is taken again after this long, up
 #: to DUMP_TRIES times in all (see CriuEngine._dump).
 SETTLE_S = 0.3
+#: How long a failed dump's tree is watched for a process that ended (see _ended).
+ENDED_WAIT_S = 1.0
 DUMP_TRIES = 3
 #: How a failed dump's error begins (the rest is CRIU's first error line).
 _DUMP_FAILED = "criu dump failed: "
@@ -330,7 +332,7 @@ class CriuEngine(Engine):
                 job.dumped = done.returncode == 0
                 if done.returncode != 0:
                     failed = f"{_DUMP_FAILED}{_last_error(self.work / 'dump.log')}"
-                    gone = [proc.pid for proc in tree if not _alive(proc)]
+                    gone = _ended(tree)
                     if gone:  # a worker's exit, or a crash (an OOM kill), during the dump
                         raise _TreeChanged(f"pid {gone[0]} of the tree ended during the "
                                            f"image ({failed})")
@@ -361,9 +363,23 @@ class _TreeChanged(CriuError):
 
 def _alive(proc: psutil.Process) -> bool:
     try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        return proc.is_running() and proc.status() not in (psutil.STATUS_ZOMBIE,
+                                                           psutil.STATUS_DEAD)
     except psutil.Error:
         return False
+
+
+def _ended(tree: list[psutil.Process], wait: float = ENDED_WAIT_S) -> list[int]:
+    """The pids of ``tree`` that ended, looked for over ``wait`` seconds: CRIU gives up the
+    moment a process it has seized is killed (SIGCHLD), which may be before that process is
+    gone. Looked at once, a training SIGKILLed during an interval image (a CI run, loaded)
+    still passed for alive, and the failed image for one that every image would meet."""
+    deadline = time.monotonic() + wait
+    while True:
+        gone = [proc.pid for proc in tree if not _alive(proc)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
 
 
 def _tree(root: int) -> list[psutil.Process]:
