@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import EXAMPLES, NO_CRIU_ENV, PROGRAMS, PYTHON, assert_bit_identical, run
-from .test_slurm import Job, JobWatcher, procckpt_sbatch
+from .test_slurm import Job, JobWatcher, procckpt_sbatch, said
 
 # One worker runs the module: its fixture submits both jobs together.
 pytestmark = [pytest.mark.slurm, pytest.mark.dmtcp, pytest.mark.slow,
@@ -72,23 +72,22 @@ def assert_requeued_and_resumed_from_images(watcher: JobWatcher, job: Job, total
     assert record["JobState"] == "COMPLETED", (record, log[-3000:])
     restarts = int(record["Restarts"])
     assert restarts >= 2, f"only {restarts + 1} cycles: the test needs >= 3"
-    said = "\n".join(line for line in log.splitlines()
-                     if line.startswith(("procckpt", "slurmstepd")))[-6000:]
+    shown = said(log)
     # Each requeue said once: by procckpt's own requeue, or seen as Slurm's (a requeue whose
     # scontrol did not answer in time on a loaded runner, but which Slurm carried out).
     requeues = re.findall(r"^procckpt: (?:requeued Slurm job|Slurm job \d+ stopped .* Slurm has "
                           r"requeued it already)", log, flags=re.M)
-    assert len(requeues) == restarts, said
+    assert len(requeues) == restarts, shown
     # One log for all cycles: every step printed exactly once, in order, so no cycle went
     # back (a stop's image is taken with --kcheckpoint: nothing runs past it).
-    assert steps(log) == list(range(1, total + 1)), said
+    assert steps(log) == list(range(1, total + 1)), shown
     # One restart a cycle, and one more for each image that failed to restore (the engine
     # fell back to the one before it within the cycle; none on a quiet machine).
     resumes = [e for e in job.events if e["event"] == "resume" and e.get("engine") == "dmtcp"]
     failed = [e for e in job.events if e["event"] == "restore-failed"]
-    assert len(resumes) == restarts + len(failed), (resumes, said)
-    assert len(failed) <= 1, said
-    assert "DUE TO TIME LIMIT" not in log, said
+    assert len(resumes) == restarts + len(failed), (resumes, shown)
+    assert len(failed) <= 1, shown
+    assert "DUE TO TIME LIMIT" not in log, shown
 
 
 def test_plain_loop_is_requeued_and_continues_from_its_image(dmtcp_jobs):
