@@ -5,6 +5,8 @@ ends the run in one line). The dump itself is a seam here; tests/e2e/test_criu.p
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import threading
 import time
@@ -15,6 +17,8 @@ import pytest
 
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.criu import CriuEngine, CriuTools
+from procckpt.launcher.engines.criu.engine import _Job
+from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
 pytestmark = pytest.mark.unit
@@ -154,3 +158,56 @@ def test_a_stop_whose_dump_met_a_worker_ending_is_imaged_again(
     assert [info.name for info in engine.store.checkpoints()] == [c.checkpoint]
     assert "ended during the image" in caplog.text and "taking it again" in caplog.text
     assert engine.stuck is None
+
+
+def _restored(tmp_path: Path, ran_for: float | None) -> tuple[CriuEngine, str]:
+    """A cycle restored from the newest of two CRIU images, its tree's root back ``ran_for``
+    seconds ago (None: CRIU never brought it back); the newest image's name."""
+    engine = CriuEngine(CheckpointStore(tmp_path / "ckpt").open(), CriuTools("criu", (4, 2)))
+    for _ in range(2):
+        with engine.store.begin({"engine": "criu"}) as pending:
+            with pending.open("pages-1.img") as f:
+                f.write(b"\0" * 100)
+            newest = pending.commit().name
+    engine.start_cycle(["python", "train.py"], "token")
+    assert engine._cycle is not None and engine._cycle.restored_from is not None
+    assert engine._cycle.restored_from.name == newest
+    if ran_for is not None:
+        root_pid = engine.work / "root.pid"
+        root_pid.write_text("4242")
+        now = time.time()
+        os.utime(root_pid, (now - ran_for, now - ran_for))
+    return engine, newest
+
+
+def test_a_restored_tree_that_faults_at_once_falls_back_to_the_image_before(tmp_path: Path):
+    engine, newest = _restored(tmp_path, ran_for=2.6)
+    said = engine.after_exit(128 + signal.SIGSEGV, requested=False)
+    assert said is not None and said.startswith(
+        f"restoring {newest} failed (the restored tree was killed by SIGSEGV 3s after CRIU "
+        "restored it"), said
+    assert said.endswith("falling back to the previous image, ckpt-00000001"), said
+    assert engine._newest_image().name != newest
+    (failed,) = [e for e in read_events(engine.store.events_path)
+                 if e["event"] == "restore-failed"]
+    assert failed["checkpoint"] == newest and failed["exit_code"] == 139
+
+
+@pytest.mark.parametrize("case", ["later", "own image asked", "not a fault", "signalled"])
+def test_other_ends_of_a_restored_tree_are_the_supervisors_to_judge(tmp_path: Path,
+                                                                    case: str):
+    engine, newest = _restored(tmp_path, ran_for=45.0 if case == "later" else 2.0)
+    if case == "own image asked":
+        engine._job = _Job(1, "interval", stop=False)
+    code = 128 + (signal.SIGKILL if case == "not a fault" else signal.SIGSEGV)
+    assert engine.after_exit(code, requested=False, signalled=case == "signalled") is None
+    assert engine._newest_image().name == newest
+    assert not [e for e in read_events(engine.store.events_path)
+                if e["event"] == "restore-failed"]
+
+
+def test_a_restore_that_never_brought_the_tree_back_is_tried_once_more_first(tmp_path: Path):
+    engine, newest = _restored(tmp_path, ran_for=None)
+    said = engine.after_exit(75, requested=False)
+    assert said == f"restoring {newest} failed; trying it once more"
+    assert engine._newest_image().name == newest

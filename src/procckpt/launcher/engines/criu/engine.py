@@ -39,7 +39,7 @@ import psutil
 from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation, Engine
-from ..images import newest_image
+from ..images import fault_after_restore, newest_image
 from .tools import CriuError, CriuTools
 
 __all__ = ["CriuEngine", "ENV_PID_NAMESPACE", "NSINIT_SCRIPT", "RESTORE_SCRIPT"]
@@ -212,7 +212,9 @@ class CriuEngine(Engine):
     def after_exit(self, exit_code: int, requested: bool, signalled: bool = False) -> str | None:
         """A command that exited 0 by itself finished (the run is marked complete); a restore
         that never brought the tree back is tried once more (what failed may not again: a
-        moment's shortage, a race in CRIU), then gives way to the previous image."""
+        moment's shortage, a race in CRIU), then gives way to the previous image; so does at
+        once a restored tree whose root a fault ended soon after, before any image of its
+        own (images.py, ``fault_after_restore``)."""
         cycle = self._cycle
         if cycle is None:
             return None
@@ -222,11 +224,14 @@ class CriuEngine(Engine):
             self.store.mark_complete(token=cycle.token, engine=self.name)
             return None
         image = cycle.restored_from
-        if image is None or (self.work / "root.pid").exists():
+        if image is None:
             return None  # the command's own exit: the supervisor's rules apply
+        fault = self._fault_after_restore(exit_code, signalled)
+        if fault is None and (self.work / "root.pid").exists():
+            return None  # the restored tree's own exit or crash: the supervisor's rules apply
         append_event(self.store.events_path, "restore-failed", checkpoint=image.name,
-                     exit_code=exit_code, problem="criu restore failed")
-        if image.name not in self._tried_again:
+                     exit_code=exit_code, problem=fault or "criu restore failed")
+        if fault is None and image.name not in self._tried_again:
             self._tried_again.add(image.name)
             return f"restoring {image.name} failed; trying it once more"
         self._failed_images.add(image.name)
@@ -236,7 +241,23 @@ class CriuEngine(Engine):
                          "stay in %s (see %s/restore.log)", image.name, self.store.ckpt_root,
                          self.work)
             return None
-        return f"restoring {image.name} failed; falling back to the previous image, {older.name}"
+        how = f"restoring {image.name} failed" + (f" ({fault})" if fault else "")
+        return f"{how}; falling back to the previous image, {older.name}"
+
+    def _fault_after_restore(self, exit_code: int, signalled: bool) -> str | None:
+        """Why the image the cycle restored is taken for a failed restore although CRIU
+        brought the tree back (it wrote the root's pid file): a fault ended the root soon
+        after, before any image of this cycle was asked for. None for any other end."""
+        if self._job is not None:
+            return None  # an image of its own was begun: the fault is the command's
+        try:
+            ran_for = time.time() - (self.work / "root.pid").stat().st_mtime
+        except OSError:
+            return None  # the tree never came back: a restore that failed in CRIU
+        fault = fault_after_restore(exit_code, signalled, ran_for)
+        return None if fault is None else (
+            f"the restored tree was killed by {fault} {ran_for:.0f}s after CRIU restored it, "
+            "before any image of its own")
 
     # -- images ---------------------------------------------------------------------------
     def _newest_image(self, quiet: bool = False) -> CheckpointInfo | None:
