@@ -34,6 +34,8 @@ from procckpt.launcher.engines.dmtcp.forks import own_processes
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointInfo, CheckpointStore
 
+from .harness.processes import wait_for
+
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
 
@@ -365,6 +367,52 @@ def take(engine: DmtcpEngine, pid: int, images: int,
         try:
             return engine._checkpoint(Job(1, "interval", stop=False))
         finally:
+            coordinator_proc.kill()
+
+
+class StartingCoordinator(FakeCoordinator):
+    """A FakeCoordinator that, asked for a checkpoint, starts an image (a ``.temp`` file)
+    for the test to write on and complete."""
+
+    NAME = "ckpt_python3.11_98ff-40000-1.dmtcp"
+
+    def __init__(self, engine: DmtcpEngine) -> None:
+        super().__init__([1])
+        self.engine = engine
+
+    def run(self, argv: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
+        done = super().run(argv, **kwargs)
+        if argv[-1] != "--status":
+            (self.engine.images / f"{self.NAME}.temp").write_bytes(b"\0" * 1000)
+        return done
+
+
+def test_a_stops_image_counts_as_being_written_from_its_first_bytes_to_its_commit(
+        engine: DmtcpEngine, family):
+    """What the watch reads once a stop's lead has passed: an image that grows is waited
+    for (stopping the command then would leave none); a request not yet begun is not."""
+    fake = StartingCoordinator(engine)
+    with subprocess.Popen(["sleep", "60"]) as coordinator_proc:
+        coordinator = Coordinator(TOOLS, coordinator_proc, 1, run=fake.run)
+        engine._cycle = Cycle("token", coordinator, None, pid=family(program=False))
+        engine._cycle.running.set()
+        try:
+            seq = engine.request("stop", "deadline")
+            temp = engine.images / f"{fake.NAME}.temp"
+            wait_for("the checkpoint request", lambda: fake.sent, 30)
+            assert not engine.writing(seq)  # asked, not a byte written since
+            with temp.open("ab") as image:
+                image.write(b"\1" * 1000)
+            wait_for("the image to count as being written", lambda: engine.writing(seq), 30)
+            assert not engine.writing(seq + 1)  # another request's image
+            temp.rename(engine.images / fake.NAME)
+            restart_script(engine, [fake.NAME])
+            wait_for("the confirmation", lambda: engine.confirmation(seq), 30)
+            assert engine.confirmation(seq).checkpoint is not None
+            assert not engine.writing(seq)  # answered: nothing left to wait for
+        finally:
+            engine._cycle.over_at = time.monotonic()
+            engine._cycle.over.set()
             coordinator_proc.kill()
 
 

@@ -31,7 +31,7 @@ from ....durations import parse_duration
 from ....protocol.events import append_event
 from ....store import CheckpointInfo, CheckpointStore
 from .. import Confirmation, Engine
-from ..images import newest_image
+from ..images import fault_after_restore, newest_image
 from .coordinator import Coordinator
 from .cycle import Cycle, Job
 from .forks import STALL_S, CopyWatch, StuckImages, fork_safe_env, own_processes
@@ -55,11 +55,6 @@ AFTER_EXIT_WAIT_S = 10.0
 ENV_GZIP = "PROCCKPT_DMTCP_GZIP"
 #: Overrides the restore time limit (a duration: 90s, 10m) for slow filesystems.
 ENV_RESTORE_TIMEOUT = "PROCCKPT_DMTCP_RESTORE_TIMEOUT"
-#: Signals of a fault: a restored command that one ends within FAULT_AFTER_RESTORE_S of DMTCP's
-#: running state, before any image of its own, is a failed restore of that image.
-_FAULTS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
-                     signal.SIGABRT})
-FAULT_AFTER_RESTORE_S = 30.0
 #: A restored command is imaged no sooner than this after DMTCP's running state. (The bad image
 #: above was asked for while the restore ran and taken the moment it ran: a precaution, since
 #: what in that moment made it bad is not known.)
@@ -187,6 +182,17 @@ class DmtcpEngine(Engine):
             return None
         return c
 
+    def writing(self, seq: int) -> bool:
+        # Bytes of the image that serves ``seq`` (or of the one it follows) have appeared, or
+        # the finished images are being moved into the store. The write is bounded by the
+        # checkpoint thread: an image that stops growing for STALL_S ends the cycle.
+        with self._lock:
+            job = self._job
+            if job is None or job.answered:
+                return False
+            serves = job.seq == seq or (job.then_stop is not None and job.then_stop.seq == seq)
+            return serves and (job.wrote or job.committing)
+
     def connected(self) -> bool:
         return self._cycle is not None and self._cycle.running.is_set()
 
@@ -261,25 +267,16 @@ class DmtcpEngine(Engine):
 
     def _fault_after_restore(self, cycle: Cycle, exit_code: int, signalled: bool) -> str | None:
         """Why the image the cycle restored is taken for a failed restore although DMTCP
-        brought it to its running state: a fault (SIGSEGV, ...) ended the command within
-        :data:`FAULT_AFTER_RESTORE_S` of it, before DMTCP began an image of its own. None
-        for any other end.
-
-        Seen in CI under load (2026-12-01): an image of 634 MB, taken moments after the
-        restored process it images reached the running state, died of SIGSEGV 3 s into
-        every restart of it, while the image before it restarted and trained on. Ended there,
-        the run would need a person; falling back costs the work between the two images. A
-        fault of the command's own, soon after every restore, falls back image by image to
-        the oldest and then ends the run with the usual error."""
-        signum = exit_code - 128 if exit_code > 128 else 0
+        brought it to its running state: a fault ended the command soon after it, before
+        DMTCP began an image of its own (images.py, ``fault_after_restore``). None for any
+        other end."""
+        ran_for = cycle.over_at - cycle.running_at
+        fault = fault_after_restore(exit_code, signalled, ran_for)
         job = self._job
-        if (signalled or signum not in _FAULTS
-                or cycle.over_at - cycle.running_at > FAULT_AFTER_RESTORE_S
-                or (job is not None and (job.wrote or job.committing))):
+        if fault is None or (job is not None and (job.wrote or job.committing)):
             return None
-        return (f"the restored command was killed by {signal.Signals(signum).name} "
-                f"{cycle.over_at - cycle.running_at:.0f}s after DMTCP's running state, before "
-                "any image of its own")
+        return (f"the restored command was killed by {fault} {ran_for:.0f}s after DMTCP's "
+                "running state, before any image of its own")
 
     def _stopped_after_image(self) -> bool:
         """Whether DMTCP may have ended the command after a stop's image (--kcheckpoint):
