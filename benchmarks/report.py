@@ -67,6 +67,8 @@ BENCHMARKS = (
               needs="moto"),
     Benchmark("audit_cost", "The resume audit's cost, per batch, checkpoint, resume and stop",
               ("--repeats", "7"), ("--repeats", "1", "--sizes", "1", "--state-mb", "4")),
+    Benchmark("exit_cost", "A training process's exit, with and without the final collection",
+              (), ("--rounds", "1", "--steps", "2")),
     Benchmark("kill_campaign", "A kill campaign that counts samples: 25 kills a case",
               ("--kills", "25"), ("--kills", "1", "--cases", "plain")),
     Benchmark("dmtcp_images", "DMTCP's process images against a raw write", (),

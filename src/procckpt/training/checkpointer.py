@@ -40,6 +40,7 @@ from .link.triggers import SaveTriggers
 from .position.progress import Progress
 from .position.resplit import BEFORE
 from .saving import Saves, background_savers, frozen_chunks, memory_tier
+from .shutdown import skip_final_collection
 from .state import reserve
 from .state.first_step import ADVICE, StateExpectation, live_state
 from .state.member import CheckpointerAsMember
@@ -58,6 +59,12 @@ def _delegated(owner: str, name: str, doc: str) -> Any:
     """A read-write attribute that lives on one of the Checkpointer's parts."""
     return property(lambda self: getattr(getattr(self, owner), name),
                     lambda self, value: setattr(getattr(self, owner), name, value), doc=doc)
+
+
+def _prepare_process() -> None:
+    """What the process needs once, whichever Checkpointer comes first."""
+    settle_vector_math()  # before the first step's threads race on MKL's dispatch
+    skip_final_collection()  # the exit leaves torch's objects to the system (shutdown.py)
 
 
 class Checkpointer:
@@ -115,7 +122,7 @@ class Checkpointer:
         **stateful: Stateful,
     ) -> None:
         setup_logging(label="train" if os.environ.get(ctl.ENV_TOKEN) else None)
-        settle_vector_math()  # before the first step's threads race on MKL's dispatch
+        _prepare_process()
         self._statefuls = collect_statefuls(model=model, optimizer=optimizer,
                                             scheduler=scheduler, scaler=scaler, **stateful)
         if metric_mode not in ("max", "min"):
