@@ -277,20 +277,9 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
     env.pop("PROCCKPT_TOKEN", None)
     if case.s3:
         env.update(s3_server(servers))
-    # Twice: two uninterrupted runs that differ tell a training that is not deterministic here
-    # from a resume that is not exact.
-    for out in ("reference-cold.pt", "reference.pt"):
-        ref = subprocess.run([*case.argv, "--out", out], cwd=folder, text=True,
-                             capture_output=True,
-                             env={**env, "PROCCKPT_DIR": str(folder / f"ckpt-{out[:-3]}")})
-        if ref.returncode != 0:
-            result.note = f"the uninterrupted run failed: {ref.stderr.strip().splitlines()[-1:]}"
-            result.identical = False
-            return result
-    noise = differing(folder / "reference-cold.pt", folder / "reference.pt")
-    if noise:
-        result.note = f"two uninterrupted runs already differ in {noise}: not deterministic here"
-        result.identical = False
+    ref = uninterrupted(case, folder, env, "reference.pt")
+    if ref:
+        result.note, result.identical = ref, False
         return result
     phases = [p for p in PHASES if p != "upload" or case.s3]
     rng.shuffle(phases)  # (fewer kills than phases: which ones, at random)
@@ -299,7 +288,25 @@ def run_case(name: str, case: Case, kills: int, rng: random.Random, work: Path,
         one_life(case, folder, folder / f"life-{round_}", deck, rng, env, result, crash)
         if not deck or result.note:
             break
+    if not result.identical and "ended other than" in result.note:
+        # A second run without kills tells a training that is not deterministic here from
+        # a resume that is not exact (run only then: it is a case's start-up, again).
+        ref = uninterrupted(case, folder, env, "reference-again.pt")
+        noise = ref or differing(folder / "reference-again.pt", folder / "reference.pt")
+        if noise:
+            result.note = (ref or f"two uninterrupted runs already differ in {noise}: not "
+                           "deterministic here")
     return result
+
+
+def uninterrupted(case: Case, folder: Path, env: dict[str, str], out: str) -> str:
+    """Run ``case`` without kills into ``folder / out``; why it failed, or "" if it ran."""
+    done = subprocess.run([*case.argv, "--out", out], cwd=folder, text=True,
+                          capture_output=True,
+                          env={**env, "PROCCKPT_DIR": str(folder / f"ckpt-{out[:-3]}")})
+    if done.returncode != 0:
+        return f"the uninterrupted run failed: {done.stderr.strip().splitlines()[-1:]}"
+    return ""
 
 
 def one_life(case: Case, folder: Path, life_dir: Path, deck: list[str],  # noqa: C901, PLR0912, PLR0915 (one kill loop)

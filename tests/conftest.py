@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from .harness import cpu_time
+from .harness import cpu_time, shared
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -39,6 +40,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # half-changed copy of it. Once in CI, under load, both workers of a loader over Parquet files
 # died of SIGSEGV at their first batch. The C library's allocator forks safely (docs/resume.md).
 os.environ.setdefault("ARROW_DEFAULT_MEMORY_POOL", "system")
+
+# procckpt's logger stops propagating once the first Checkpointer of a process sets it up
+# (procckpt/log.py). pytest's caplog hooks onto non-propagating loggers as each test starts, so
+# a test whose own Checkpointer was the first of its worker saw no record of its own (CI, at
+# 3f0c7d0). Set so from the start, the logger is hooked in every test, whichever runs first.
+logging.getLogger("procckpt").propagate = False
 
 # A warm restart's spare interpreter imports torch beside every run once it stepped: seconds
 # of a processor for each of the suite's hundreds of runs, few of which restart at all. The
@@ -225,6 +232,12 @@ def mounted_tmpfs(mount: Path, size: str = "4m") -> Iterator[Path]:
         yield mount
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the session's workers keep what they make once (harness/shared.py)."""
+    return shared.session_root(tmp_path_factory)
 
 
 @pytest.fixture(scope="session")

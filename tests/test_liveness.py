@@ -15,9 +15,11 @@ from procckpt.protocol.control import ControlChannel
 from procckpt.training.link.liveness import Liveness
 
 
-def watch(tmp_path: Path, body, seconds: float = 2.0) -> tuple[int, int]:
-    """Run ``body(stop)`` in a thread under a Liveness for ``seconds``; the moves counted
-    while it ran, and the moves the launcher read from the last heartbeat."""
+def watch(tmp_path: Path, body, seconds: float = 2.0,
+          until_moves: int | None = None) -> tuple[int, int]:
+    """Run ``body(stop)`` in a thread under a Liveness for ``seconds`` (with ``until_moves``:
+    until it counted that many moves and a heartbeat said some, or ``seconds`` passed); the
+    moves counted while it ran, and the moves the launcher read from the last heartbeat."""
     stop = threading.Event()
     thread = threading.Thread(target=body, args=(stop,), daemon=True)
     thread.start()
@@ -25,13 +27,21 @@ def watch(tmp_path: Path, body, seconds: float = 2.0) -> tuple[int, int]:
     time.sleep(0.3)  # the thread has reached what it does for the rest of the time
     liveness.start()
     try:
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and (
+                until_moves is None or liveness.moves < until_moves or said(tmp_path) == 0):
+            time.sleep(0.1)
         moves = liveness.moves
     finally:
         liveness.close()
         stop.set()
+    return moves, said(tmp_path)
+
+
+def said(tmp_path: Path) -> int:
+    """The moves of the last heartbeat, as the launcher reads them."""
     beat = ControlChannel(tmp_path, "tok").heartbeat()
-    return moves, beat.moves if beat is not None else 0
+    return beat.moves if beat is not None else 0
 
 
 def evaluating(stop: threading.Event) -> None:
@@ -43,11 +53,12 @@ def evaluating(stop: threading.Event) -> None:
 
 
 def test_a_thread_running_python_code_moves(tmp_path: Path):
-    moves, said = watch(tmp_path, evaluating)
-    # Most of the 10 samples move; on a loaded machine the sampler gets fewer turns (a CI run
-    # under three parallel suites saw 5 of them), so any movement at all is what tells it
-    # from the blocked threads below (exactly 0).
-    assert moves >= 2 and said > 0, (moves, said)
+    # Most samples move (five a second); on a loaded machine the sampler gets fewer turns (a
+    # CI run under three parallel suites saw 5 of 10, a run of this suite 1 of 10 in 2 s), so
+    # the test waits for two moves rather than for a time: any movement at all is what tells
+    # it from the blocked threads below (exactly 0).
+    moves, beat = watch(tmp_path, evaluating, seconds=30, until_moves=2)
+    assert moves >= 2 and beat > 0, (moves, beat)
 
 
 def test_a_loop_that_waits_at_the_same_line_each_round_moves(tmp_path: Path):
@@ -57,8 +68,8 @@ def test_a_loop_that_waits_at_the_same_line_each_round_moves(tmp_path: Path):
         while not stop.is_set():
             time.sleep(0.002)
 
-    moves, said = watch(tmp_path, waiting_each_round)
-    assert moves >= 2 and said > 0, (moves, said)
+    moves, beat = watch(tmp_path, waiting_each_round, seconds=30, until_moves=2)
+    assert moves >= 2 and beat > 0, (moves, beat)
 
 
 def test_a_wait_loop_that_wakes_to_look_again_does_not_move(tmp_path: Path):

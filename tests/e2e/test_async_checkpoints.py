@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
 
 from ..conftest import PROGRAMS
+from ..harness.processes import wait_for
 
 PROGRAM = PROGRAMS / "async_train.py"
 #: Settings that make each background write take a couple of seconds.
@@ -40,19 +40,6 @@ def env(**extra: str) -> dict[str, str]:
 
 def program(*args: str) -> list[str]:
     return [sys.executable, str(PROGRAM), *args]
-
-
-def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0,
-              proc: subprocess.Popen[str] | None = None) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the program exited ({proc.returncode}) before {what}")
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def partial_write(store: CheckpointStore) -> Path | None:

@@ -31,6 +31,7 @@ from procckpt.launcher.engines.criu import criu_problem, find_criu
 from procckpt.store import CheckpointStore
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness import shared
 from ..harness.processes import events
 
 # One worker runs the module, one test at a time: an image with the host's pids (the
@@ -48,11 +49,15 @@ def needs_criu(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.skipif(_TOOLS is None, reason=f"no usable CRIU here: {_PROBLEM}")(test)
 
 
-def reference(workdir: Path, args: list[str] | None = None) -> Path:
-    out = workdir / "reference.pt"
-    done = run([*LOOP, *(args or []), "--step-sleep", "0", "--out", str(out)], cwd=workdir)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return out
+def reference(args: list[str] | None = None) -> Path:
+    """worker_loop.py's uninterrupted result, made once a session (harness/shared.py)."""
+    def make(where: Path) -> Path:
+        out = where / "reference.pt"
+        done = run([*LOOP, *(args or []), "--step-sleep", "0", "--out", str(out)], cwd=where)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return out
+
+    return shared.once(["worker_loop", *(args or [])], make)
 
 
 def assert_same(a: Path, b: Path) -> None:
@@ -76,7 +81,7 @@ def test_deadline_cycles_restore_the_whole_tree_each_step_once(workdir: Path):
     --engine: auto gives CRIU a script that does not import procckpt. (With 15-s cycles, a
     loaded CI runner spent most of each on the restore and the dump, 2-9 s each for the 676 MB
     tree, and ran out of its 20 restarts.)"""
-    expected = reference(workdir)
+    expected = reference()
     out, ckpt = workdir / "out.pt", workdir / "ckpt"
     done = run([*procckpt_argv(), "run", "--dir", str(ckpt),
                 "--time-limit", "25s", "--grace", "5s", "--",
@@ -191,7 +196,7 @@ def test_a_killed_training_restores_from_its_periodic_image(workdir: Path):
     """Images every 4 s while the tree runs on; the training SIGKILLed after the first, as
     the OOM killer would: under --restart-on-failure the next cycle restores the newest
     image, and the run ends bit-identical."""
-    expected = reference(workdir)
+    expected = reference()
     out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
     proc = _start(workdir, ckpt, out, log, "--interval", "4s", "--restart-on-failure")
     try:
@@ -220,7 +225,7 @@ def test_a_fresh_launcher_restores_the_image_the_killed_one_left(workdir: Path, 
     With the host's pids (PROCCKPT_CRIU_PID_NAMESPACE=0), the new `procckpt run` says in one
     line which pid is in the way and exits; once it is free, it restores the image. Each run
     ends bit-identical."""
-    expected = reference(workdir)
+    expected = reference()
     out, ckpt, log = workdir / "out.pt", workdir / "ckpt", workdir / "run.log"
     env = {} if namespace else {"PROCCKPT_CRIU_PID_NAMESPACE": "0"}
     with mock.patch.dict(os.environ, env):
@@ -355,7 +360,7 @@ def test_a_user_other_than_root_is_imaged_with_criu_unprivileged(workdir: Path):
         pytest.skip("needs root, setcap, setpriv and unshare (libcap2-bin, util-linux) to make "
                     "a user and a criu with file capabilities")
     assert _TOOLS is not None
-    expected = reference(workdir)
+    expected = reference()
     home = Path(tempfile.mkdtemp(prefix="procckpt-nobody-"))  # /tmp: pytest's is root's own
     try:
         criu = home / "criu"

@@ -36,9 +36,9 @@ def test_a_tree_with_workers_is_requeued_and_restored_from_its_image(
     procckpt_sbatch(slurm_cluster, job, ["-t", "1", "--engine", "criu"],
                     [PYTHON, str(PROGRAMS / "worker_loop.py"), *ARGS,
                      "--out", str(job.workdir / "final.pt")])
-    watcher = JobWatcher(slurm_cluster).start()
+    watcher = JobWatcher(slurm_cluster).lift_limit(job.job_id, 2).start()
     try:
-        expected = reference(tmp_path, ["--epochs", "8"])
+        expected = reference(["--epochs", "8"])
         record = watcher.wait_done(job.job_id, timeout=900)
     finally:
         slurm_cluster.run(["scancel", str(job.job_id)], check=False)

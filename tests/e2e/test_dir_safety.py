@@ -197,7 +197,7 @@ def test_fifos_planted_in_control_do_not_freeze_the_launcher(workdir: Path):
     import os
 
     args = ["--epochs", "10", "--n", "256"]  # 80 steps of 0.2 s: past the first deadline
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     proc = subprocess.Popen([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "20s",
                              "--grace", "5s", "--interval", "off", "--", *TINY, *args,

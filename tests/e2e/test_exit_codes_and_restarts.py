@@ -99,7 +99,13 @@ def test_restart_count_reaches_the_command(workdir: Path):
     assert result.returncode == 0, result.stderr
     starts = [line for line in result.stdout.splitlines() if line.startswith("start step")]
     assert len(starts) >= 2
-    assert [s.split()[-1] for s in starts] == [str(i) for i in range(len(starts))]
+    # Each cycle's command is told its restart number. (Under load a cycle can end while its
+    # script still imports, before it says anything: seen in CI, imports of 10-12 s against
+    # a 13-s cycle. The next one is a restart more.)
+    said = [int(s.split()[-1]) for s in starts]
+    cycles = [e["restart"] for e in events(workdir / "c") if e["event"] == "cycle"]
+    assert said[0] == 0 and said[-1] == cycles[-1], (said, cycles)
+    assert said == sorted(set(said)) and set(said) <= set(cycles), (said, cycles)
 
 
 def test_a_rerun_of_a_script_that_finished_early_trains_nothing_unless_forced(workdir: Path):

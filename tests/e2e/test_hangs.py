@@ -22,7 +22,7 @@ from ..harness.processes import TINY, events, reference
 def test_a_hung_script_is_caught_its_stacks_logged_and_it_resumes_to_the_same_result(
         workdir: Path, how: str, where: str):
     args = ["--epochs", "10", "--step-sleep", "0.05"]
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     started = time.monotonic()
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--interval", "1s",
@@ -95,7 +95,7 @@ def test_a_stuck_dataloader_worker_is_a_hang_caught_with_every_stack_and_resumed
         workdir: Path, workers: str, load: str):
     args = ["--epochs", "2", "--n", "256", "--batch-size", "8", "--workers", workers,
             "--step-sleep", "0.05"]
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     # The worker that loads sample 100 blocks for ever; the main process waits for its batch
     # in the DataLoader's queue.get(timeout=5), waking every 5 s to look at its workers (each
@@ -120,7 +120,7 @@ def test_a_stuck_dataloader_worker_is_a_hang_caught_with_every_stack_and_resumed
 
 def test_long_data_preparation_and_validation_are_no_hang(workdir: Path):
     args = ["--epochs", "2", "--n", "128"]
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     # 30 s of Python work after Checkpointer() before the first step, and a 30 s validation
     # pass at the end of the first epoch: each longer than the 20 s hang timeout.

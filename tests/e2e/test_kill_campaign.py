@@ -6,7 +6,9 @@ bit-identical to an uninterrupted run. The report's 25 kills per case are in BEN
 
 (Two kills a case took this test 550-830 s of a worker, the longest of the suite: most of it
 the cases' start-ups, one after the other. One a case still reaches every case's resume; the
-seed picks each case's phase and kind of kill, and the benchmark's 25 a case cover them all.)"""
+seed picks each case's phase and kind of kill, and the benchmark's 25 a case cover them all.
+A case runs without kills once, and a second time only when a life ends other than it, to
+tell a training that is not deterministic from a resume that is not exact.)"""
 
 from __future__ import annotations
 

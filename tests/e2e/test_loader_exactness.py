@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from ..conftest import PROGRAMS, PYTHON, assert_bit_identical, procckpt_argv, run
+from ..harness import shared
 
 SCRIPT = PROGRAMS / "loader_train.py"
-_references: dict[tuple[bool, int], Path] = {}
 
 
 def train(workdir: Path, name: str, *args: str) -> tuple[Path, str]:
@@ -28,14 +28,14 @@ def train(workdir: Path, name: str, *args: str) -> tuple[Path, str]:
     return out, result
 
 
-def reference(tmp_path_factory: pytest.TempPathFactory, generator: bool, workers: int) -> Path:
-    key = (generator, workers)
-    if key not in _references:
-        where = tmp_path_factory.mktemp("reference")
+def reference(generator: bool, workers: int) -> Path:
+    """The uninterrupted run, made once a session (harness/shared.py)."""
+    def make(where: Path) -> Path:
         out, result = train(where, "ref", *loader_args(generator, workers))
         assert result.returncode == 0, result.stderr[-3000:]
-        _references[key] = out
-    return _references[key]
+        return out
+
+    return shared.once(["loader_train", *loader_args(generator, workers)], make)
 
 
 def loader_args(generator: bool, workers: int) -> list[str]:
@@ -45,10 +45,9 @@ def loader_args(generator: bool, workers: int) -> list[str]:
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "own-generator"])
 @pytest.mark.parametrize("where", ["epoch-boundary", "mid-epoch", "fallback-to-epoch-end"])
-def test_resume_is_bit_identical(workdir: Path, tmp_path_factory, generator: bool, workers: int,
-                                 where: str):
+def test_resume_is_bit_identical(workdir: Path, generator: bool, workers: int, where: str):
     args = loader_args(generator, workers)
-    expected = reference(tmp_path_factory, generator, workers)
+    expected = reference(generator, workers)
     crash = ["--kill-at-step", "18"]
     if where != "epoch-boundary":
         crash += ["--checkpoint-at-step", "16"]  # a mid-epoch checkpoint: epoch 1, batch 4

@@ -65,7 +65,7 @@ def test_a_training_killed_twice_resumes_from_the_memory_tier_bit_identical(work
     slot's copy slowed by 0.1 s, once its manifest is gone): each restart resumes from a slot
     of its cycle, the newest complete one; by default, as a crash after a checkpoint of its
     cycle is."""
-    expected = reference(workdir, *ARGS)
+    expected = reference(*ARGS)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     proc, err = _launch(workdir, ckpt, out, "--interval", "off",
                         env={ENV_COPY_PAUSE: "0.1", "PROCCKPT_WARM_RESTARTS": "1"})
@@ -128,7 +128,7 @@ def test_a_killed_launcher_leaves_the_store_to_resume_from_and_its_tier_to_be_sw
     """Launcher and training SIGKILLed together after two periodic checkpoints: the tier dies
     with its launcher (its memory is swept by the next launcher on the machine), and the next
     launch resumes from the newest checkpoint of the store, bit-identical."""
-    expected = reference(workdir, *ARGS)
+    expected = reference(*ARGS)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     with mounted_tmpfs(workdir / "shm", "64m") as shm:
         env = {"PROCCKPT_MEMORY_TIER_ROOT": str(shm)}
@@ -162,7 +162,7 @@ def test_a_killed_launcher_leaves_the_store_to_resume_from_and_its_tier_to_be_sw
 
 def test_a_tier_without_room_is_said_in_one_line_and_the_run_goes_on(workdir: Path):
     """A memory file system of 64 KiB cannot hold two slots of this state (35 KB)."""
-    expected = reference(workdir, *ARGS)
+    expected = reference(*ARGS)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     with mounted_tmpfs(workdir / "shm", "64k") as shm:
         res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, *ARGS, "--out",

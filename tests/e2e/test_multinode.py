@@ -4,8 +4,8 @@ its own (tests/harness/slurm_nodes.py): its own address, hostname and hosts file
 ``procckpt sbatch -N 2 --ntasks-per-node 1 -- srun python ddp_train.py``: one gloo rank a
 node, the launcher in the batch step on n1.
 
-- the one-minute limit stops and requeues the job until it finishes, bit-identical to an
-  uninterrupted 2-rank run (about 5 minutes);
+- the one-minute limit stops and requeues the job twice, then a longer one lets it finish,
+  bit-identical to an uninterrupted 2-rank run (about 4 minutes);
 - node n2 dies mid-run (every process of its namespace, its slurmd too, SIGKILLed): the
   launcher finds it lost, requeues the job, n2 comes back, and the job resumes from its newest
   periodic checkpoint and ends bit-identical (about 3 minutes);
@@ -31,13 +31,15 @@ from ..harness.slurm_cluster import FAST_TEST_TIMING, SlurmCluster, SlurmCluster
 from ..harness.slurm_nodes import netns_unavailable
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
 from .test_srun import DDP, run_ddp_job
-from .test_torchrun import SHAPE, assert_same_run, uninterrupted
+from .test_torchrun import SHAPE, assert_same_run, ddp_shape_reference
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.xdist_group("two-nodes")]
 
-# About 1 s a step: ~48 s of training. A one-minute job gets its signal 15-45 s in, and each
-# cycle spends 10-20 s starting two ranks: >= 3 cycles.
-ARGS = [*SHAPE, "--sleep", "1.0"]
+# About 2 s a step: ~96 s of training. A one-minute job gets its signal 15-45 s in, so two
+# cycles cannot hold it however quick the machine: >= 3 cycles.
+ARGS = [*SHAPE, "--sleep", "2.0"]
+# The jobs stopped by a lost node or scancel: ~48 s of training in one ten-minute cycle.
+ONE_CYCLE_ARGS = [*SHAPE, "--sleep", "1.0"]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +84,7 @@ def submit(cluster: SlurmCluster, tmp_path: Path, name: str, args: list[str]) ->
     job = Job(name, tmp_path / name)
     job.workdir.mkdir()
     procckpt_sbatch(cluster, job, ["-N", "2", "--ntasks-per-node", "1", *args],
-                    ["srun", PYTHON, str(DDP), *ARGS, "--out", str(job.workdir / "out")])
+                    ["srun", PYTHON, str(DDP), *ONE_CYCLE_ARGS, "--out", str(job.workdir / "out")])
     return job
 
 
@@ -111,7 +113,7 @@ def test_a_lost_node_requeues_the_job_which_resumes_from_its_periodic_checkpoint
         # then the node comes back, as a rebooted node would.
         watcher.wait("procckpt to find n2 lost",
                      lambda: any(e["event"] == "node-lost" for e in job.events), timeout=120)
-        reference = uninterrupted(tmp_path, DDP, SHAPE, "reference")  # meanwhile
+        reference = ddp_shape_reference()  # meanwhile (or made by another test)
         # Brought back once Slurm has marked it DOWN (a slurmd back sooner would receive
         # the orders Slurm kept for the job's first run there, and end its new one).
         watcher.wait("Slurm to mark n2 DOWN", lambda: "DOWN" in node_state(two_nodes, "n2"),

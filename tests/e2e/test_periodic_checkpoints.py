@@ -15,7 +15,7 @@ from ..harness.processes import ASYNC, TINY, events, reference
 def test_without_a_time_limit_the_rerun_after_a_sigkill_resumes_from_a_periodic_checkpoint(
         workdir: Path):
     args = ["--epochs", "80", "--step-sleep", "0.02"]
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     # No --interval and no --time-limit: periodic checkpoints come by default (auto); --mtbf
     # says failures are frequent here, so they come within seconds.
@@ -49,7 +49,7 @@ def test_without_a_time_limit_the_rerun_after_a_sigkill_resumes_from_a_periodic_
 
 def test_a_launcher_killed_in_its_first_minute_leaves_a_checkpoint(workdir: Path):
     args = ["--epochs", "40", "--n", "256"]  # 320 steps
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     # No --time-limit, no --interval, no --mtbf: the defaults alone protect the first minute.
     argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, *args,
@@ -106,7 +106,7 @@ def test_a_grace_shorter_than_a_measured_checkpoint_is_said_with_the_number_to_u
 
 def test_the_deadline_is_asked_for_early_enough_to_cover_a_validation_pass(workdir: Path):
     args = ["--epochs", "3", "--n", "256", "--step-sleep", "0.2"]  # 8 steps of 0.2 s an epoch
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     res = run([*procckpt_argv(), "run", "--dir", str(ckpt), "--time-limit", "40s",
                "--term-timeout", "20s", "--", *TINY, *args, "--validate-seconds", "20",

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import psutil
@@ -24,6 +23,7 @@ from procckpt.errors import EX_TEMPFAIL
 from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from ..harness.processes import wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -53,16 +53,6 @@ def ns_pids(pid: int) -> list[int]:
     raise AssertionError("no NSpid line in /proc/PID/status")
 
 
-def wait_until(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
     ckpt = workdir / "ckpt"
     # The command leaves two orphans behind (each subshell exits at once, so its `sleep 2` is
@@ -79,19 +69,19 @@ def test_sigterm_to_pid1_checkpoints_and_exits_75(workdir: Path):
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        init = wait_until(lambda: psutil.Process(proc.pid).children(), 30, "the namespace")[0]
+        init = wait_for("the namespace", lambda: psutil.Process(proc.pid).children(), 30)[0]
         assert ns_pids(init.pid)[-1] == 1, "procckpt is not PID 1 of the new namespace"
         # The two subshells run one after the other: wait until both orphans are there. They
         # are re-parented to the command's keeper (a subreaper below PID 1, see keeper.py).
-        orphans = wait_until(lambda: _sleeps(init)[1:] and _sleeps(init), 30, "the two orphans")
+        orphans = wait_for("the two orphans", lambda: _sleeps(init)[1:] and _sleeps(init), 30)
         assert len(orphans) == 2
-        wait_until(lambda: list((ckpt / "control").glob("hello-*.json")), 60, "training")
+        wait_for("training", lambda: list((ckpt / "control").glob("hello-*.json")), 60)
 
         # Left to the default action SIGQUIT would kill a process; PID 1 never takes it.
         init.send_signal(signal.SIGQUIT)
         # The orphans exit after 2 s; reaped, they leave the process table altogether.
-        wait_until(lambda: not any(psutil.pid_exists(o.pid) for o in orphans), 10,
-                   "the orphans to be reaped (they stayed zombies)")
+        wait_for("the orphans to be reaped (they stayed zombies)",
+                 lambda: not any(psutil.pid_exists(o.pid) for o in orphans), 10)
         assert init.is_running() and proc.poll() is None, "SIGQUIT killed PID 1"
 
         init.send_signal(signal.SIGTERM)  # what the kubelet sends when the pod is deleted

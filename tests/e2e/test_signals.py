@@ -93,7 +93,7 @@ def test_a_usr1_during_a_slow_start_is_answered_by_a_checkpoint(workdir: Path):
 
 def test_ctrl_c_checkpoints_and_stops_and_the_rerun_resumes_exactly(workdir: Path):
     args = ["--epochs", "3", "--n", "256"]
-    expected = reference(workdir, *args)
+    expected = reference(*args)
     ckpt, out = workdir / "ckpt", workdir / "out.pt"
     argv = [*procckpt_argv(), "run", "--dir", str(ckpt), "--", *TINY, *args, "--out", str(out)]
     proc = subprocess.Popen([*argv, "--step-sleep", "0.2"], cwd=workdir,

@@ -17,7 +17,7 @@ from ..conftest import EXAMPLES, PYTHON, assert_bit_identical
 from ..harness.slurm_cluster import SlurmCluster
 from .test_frameworks import needs, reference
 from .test_slurm import Job, JobWatcher, procckpt_sbatch
-from .test_torchrun import SHAPE, assert_same_run, uninterrupted
+from .test_torchrun import SHAPE, assert_same_run, ddp_shape_reference
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -32,15 +32,16 @@ def run_ddp_job(cluster: SlurmCluster, tmp_path: Path, name: str, sbatch_args: l
                 ) -> tuple[Job, dict[str, str], Path, Path]:
     """Submit ``procckpt sbatch ... -- srun python ddp_train.py``, make the uninterrupted
     2-rank reference while it runs, and wait for its end: (job, its last record, the
-    reference's output prefix, the job's)."""
+    reference's output prefix, the job's). Requeued twice, the job gets a longer limit
+    (JobWatcher.lift_limit)."""
     job = Job(name, tmp_path / "job")
     job.workdir.mkdir()
     out = job.workdir / "out"
     procckpt_sbatch(cluster, job, sbatch_args, ["srun", PYTHON, str(DDP), *args, "--out",
                                                 str(out)], env=env)
-    watcher = JobWatcher(cluster).start()
+    watcher = JobWatcher(cluster).lift_limit(job.job_id, 2).start()
     try:
-        reference = uninterrupted(tmp_path, DDP, SHAPE, "reference")  # while the job runs
+        reference = ddp_shape_reference()  # while the job runs (or made by another test)
         record = watcher.wait_done(job.job_id, timeout=900)
     finally:
         watcher.stop()
@@ -93,9 +94,9 @@ def test_lightning_on_slurm_as_docs_slurm_md_says_is_requeued_and_resumes_bit_id
     procckpt_sbatch(slurm_cluster, job, ["-t", "2", "--nodes", "1", "--ntasks-per-node", "2"],
                     ["srun", PYTHON, str(EXAMPLES / "lightning_train.py"), *args,
                      "--step-sleep", "2.5", "--out", str(out)])
-    watcher = JobWatcher(slurm_cluster).start()
+    watcher = JobWatcher(slurm_cluster).lift_limit(job.job_id, 1).start()
     try:
-        expected = reference(tmp_path, "lightning", *args[1:], ranks=2)  # while the job runs
+        expected = reference("lightning", *args[1:], ranks=2)  # while the job runs
         record = watcher.wait_done(job.job_id, timeout=900)
     finally:
         watcher.stop()

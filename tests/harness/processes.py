@@ -18,6 +18,7 @@ from procckpt.protocol.control import read_json
 from procckpt.protocol.events import read_events
 
 from ..conftest import PROGRAMS, PYTHON, procckpt_argv, run
+from . import shared
 
 TINY = [PYTHON, str(PROGRAMS / "tiny_train.py")]
 LOADER = [PYTHON, str(PROGRAMS / "loader_train.py")]
@@ -41,6 +42,21 @@ def start(args: list[str], cwd: Path) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen([*procckpt_argv(), "run", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def wait_for(what: str, check: Callable[[], object], timeout: float = 60.0,
+             proc: subprocess.Popen[str] | None = None) -> object:
+    """``check()``'s first true value, asked every 20 ms for up to ``timeout`` seconds;
+    fails naming ``what``, at once if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the program exited ({proc.returncode}) before {what}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def wait_for_line(proc: subprocess.Popen[str], text: str, timeout: float = 60) -> str:
@@ -120,13 +136,17 @@ def joined(runs: list[subprocess.CompletedProcess[str]]) -> subprocess.Completed
                                        "".join(r.stderr for r in runs))
 
 
-def reference(workdir: Path, *args: str) -> Path:
-    """The uninterrupted run's weights: the tiny program alone, no launcher."""
-    out = workdir / "reference.pt"
-    res = run([*TINY, *args, "--ckpt-dir", str(workdir / "ref-ckpt"), "--out", str(out)],
-              cwd=workdir)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return out
+def reference(*args: str) -> Path:
+    """The uninterrupted run's weights: the tiny program alone, no launcher; made once a
+    session for these arguments (shared.py)."""
+    def make(where: Path) -> Path:
+        out = where / "reference.pt"
+        res = run([*TINY, *args, "--ckpt-dir", str(where / "ref-ckpt"), "--out", str(out)],
+                  cwd=where)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return out
+
+    return shared.once(["tiny", *args], make)
 
 
 def alone(workdir: Path, ckpt: Path, *args: str, prefix: list[str] | None = None,
