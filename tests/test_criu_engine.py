@@ -18,8 +18,9 @@ import pytest
 from procckpt.launcher.engines import Confirmation
 from procckpt.launcher.engines.criu import CriuEngine, CriuTools
 from procckpt.launcher.engines.criu.engine import _Job
-from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointStore
+
+from .harness.processes import events
 
 pytestmark = pytest.mark.unit
 
@@ -188,8 +189,7 @@ def test_a_restored_tree_that_faults_at_once_falls_back_to_the_image_before(tmp_
         "restored it"), said
     assert said.endswith("falling back to the previous image, ckpt-00000001"), said
     assert engine._newest_image().name != newest
-    (failed,) = [e for e in read_events(engine.store.events_path)
-                 if e["event"] == "restore-failed"]
+    (failed,) = events(engine.store.root, "restore-failed")
     assert failed["checkpoint"] == newest and failed["exit_code"] == 139
 
 
@@ -202,8 +202,7 @@ def test_other_ends_of_a_restored_tree_are_the_supervisors_to_judge(tmp_path: Pa
     code = 128 + (signal.SIGKILL if case == "not a fault" else signal.SIGSEGV)
     assert engine.after_exit(code, requested=False, signalled=case == "signalled") is None
     assert engine._newest_image().name == newest
-    assert not [e for e in read_events(engine.store.events_path)
-                if e["event"] == "restore-failed"]
+    assert not events(engine.store.root, "restore-failed")
 
 
 def test_a_restore_that_never_brought_the_tree_back_is_tried_once_more_first(tmp_path: Path):

@@ -34,7 +34,7 @@ from procckpt.launcher.engines.dmtcp.forks import own_processes
 from procckpt.protocol.events import read_events
 from procckpt.store import CheckpointInfo, CheckpointStore
 
-from .harness.processes import wait_for
+from .harness.processes import events, wait_for
 
 #: Unit tests: fast, no `procckpt run` of their own (`make unit`; tests/README.md).
 pytestmark = pytest.mark.unit
@@ -430,7 +430,7 @@ def test_an_image_holding_forked_copies_is_not_kept_and_twice_in_a_row_ends_the_
     assert take(engine, workers, images=2).checkpoint is None
     assert engine.stuck is not None and "twice in a row its image held forked copies" in \
         engine.stuck and "num_workers=0" in engine.stuck
-    refusals = [e for e in read_events(engine.store.events_path) if e["event"] == "image-refused"]
+    refusals = events(engine.store.root, "image-refused")
     assert [(e["processes"], e["copies"]) for e in refusals] == [(2, 1)] * 3
 
 
@@ -465,8 +465,7 @@ def test_a_restored_command_that_faults_at_once_falls_back_to_the_image_before(
     assert said is not None and said.startswith(f"restarting from {newest} failed (the restored "
                                                 "command was killed by SIGSEGV 3s after")
     assert engine._newest_image().name != newest
-    (failed,) = [e for e in read_events(engine.store.events_path)
-                 if e["event"] == "restore-failed"]
+    (failed,) = events(engine.store.root, "restore-failed")
     assert failed["checkpoint"] == newest and failed["exit_code"] == 139
 
 
