@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from .harness.processes import wait_for
 from .harness.slurm_cluster import SlurmCluster, slurm_cluster_fixture
 
 # One worker runs the module: its fixture starts a cluster and submits the jobs together.
@@ -279,15 +280,15 @@ def test_requeue_with_fast_test_timing(slurm_cluster: SlurmCluster, tmp_path: Pa
     slurm_cluster.run(["scontrol", "requeue", str(job)])
     # Requeued, the job waits for a begin time. Its first PENDING record may still say
     # "Reason=None" (seen under load): the scheduler names the hold on its next pass.
-    pending = [slurm_cluster.wait_state(job, "PENDING", timeout=30, poll=0.1)]
-    deadline = time.monotonic() + 30
-    while pending[-1]["Reason"] != "BeginTime" and time.monotonic() < deadline:
-        time.sleep(0.1)
-        pending.append(slurm_cluster.job_info(job))
-        if pending[-1]["JobState"] != "PENDING":
-            break
-    assert [(i["JobState"], i["Restarts"], i["Reason"]) for i in pending[-1:]] == [
-        ("PENDING", "1", "BeginTime")], [(i["JobState"], i["Reason"]) for i in pending]
+    slurm_cluster.wait_state(job, "PENDING", timeout=30, poll=0.1)
+
+    def held() -> dict[str, str] | None:  # the hold named, or the job pending no more
+        info = slurm_cluster.job_info(job)
+        return info if info["Reason"] == "BeginTime" or info["JobState"] != "PENDING" else None
+
+    info = wait_for("the requeued job's hold to be named", held, 30)
+    assert (info["JobState"], info["Restarts"], info["Reason"]) == (
+        "PENDING", "1", "BeginTime"), info
     slurm_cluster.wait_state(job, "RUNNING", timeout=60)
     delay = time.monotonic() - t0
     deadline = time.monotonic() + 10
