@@ -31,6 +31,7 @@ differ by design, and only the state is compared.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -38,6 +39,7 @@ import os
 import threading
 import zlib
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -48,6 +50,7 @@ from ..protocol.control import AUDIT_MODES, ENV_AUDIT
 from ..protocol.events import append_event
 from ..store.completion import AUDIT_DIR  # beside checkpoints/; --force archives it with them
 from ..store.files import write_file_atomic
+from .save.standing import Standing
 from .state import contents
 from .state.first_step import StateExpectation
 from .unsaved import iterators_held
@@ -128,10 +131,12 @@ class BatchAudit:
         #: In a group: the ranks whose first batch after a resume differs (a collective).
         self._group_differs = group_differs
         self._entries: list[dict[str, Any]] | None = None
-        #: The record's next content, written by a thread of its own off the training's path
-        #: (a small file's rename costs milliseconds on a busy file system).
+        #: The record's next content, written by a thread that stays off the training's path
+        #: (a small file's rename costs milliseconds on a busy file system; a thread's start,
+        #: milliseconds on a busy machine: save/standing.py).
         self._queued: bytes | None = None
-        self._writer: threading.Thread | None = None
+        self._writer = Standing("procckpt-audit")
+        self._writing: Future[None] | None = None
         self._lock = threading.Lock()
         self._pending: Key | None = None  # a checkpoint's position whose batch is not seen yet
         self._recent: collections.deque[tuple[Key, Any]] = collections.deque(maxlen=RECENT)
@@ -272,17 +277,15 @@ class BatchAudit:
         data = json.dumps({"format": FORMAT, "next": self._entries}).encode()
         with self._lock:
             self._queued = data
-            if self._writer is None:
-                self._writer = threading.Thread(target=self._drain, daemon=True,
-                                                name="procckpt-audit")
-                self._writer.start()
+            if self._writing is None:
+                self._writing = self._writer.submit(self._drain)
 
     def _drain(self) -> None:
         while True:
             with self._lock:
                 data, self._queued = self._queued, None
                 if data is None:
-                    self._writer = None
+                    self._writing = None
                     return
             try:
                 self.path.parent.mkdir(exist_ok=True)
@@ -294,9 +297,9 @@ class BatchAudit:
     def flush(self) -> None:
         """Wait until the record is written (the process may end next)."""
         with self._lock:
-            writer = self._writer
-        if writer is not None:
-            writer.join()
+            writing = self._writing
+        if writing is not None:
+            concurrent.futures.wait([writing])
 
     def _load(self) -> list[dict[str, Any]]:
         if self._entries is None:

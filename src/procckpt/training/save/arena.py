@@ -15,7 +15,6 @@ import logging
 import math
 import mmap
 import os
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .device import CpuTwin, CudaOps, device_ops
+from .standing import Standing
 
 if TYPE_CHECKING:
     from .fence import StepFence
@@ -40,6 +40,8 @@ ALIGN = 64
 _PARALLEL_COPY_MIN = 8 << 20
 #: Memory bandwidth is saturated by a few copying threads; more only take cores.
 _MAX_COPY_THREADS = 4
+#: Where the shares of a copy beyond the caller's own run (made on the first large copy).
+_COPY_HELPERS = Standing("procckpt-copy", _MAX_COPY_THREADS - 1)
 
 
 class NotSnapshottable(Exception):
@@ -423,12 +425,12 @@ def _parallel_memmove(segments: list[tuple[int, int, int]]) -> None:
         for d, s, k in plan:
             ctypes.memmove(d, s, k)
 
-    threads = [threading.Thread(target=run, args=(plan,), daemon=True) for plan in plans[1:]]
-    for t in threads:
-        t.start()
+    # The other shares on threads that stay (standing.py): a thread started here would make
+    # this copy wait for the scheduler to run it first.
+    helped = [_COPY_HELPERS.submit(run, plan) for plan in plans[1:]]
     run(plans[0])
-    for t in threads:
-        t.join()
+    for share_done in helped:
+        share_done.result()
 
 
 def _contiguous(shape: torch.Size) -> tuple[int, ...]:

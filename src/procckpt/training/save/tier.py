@@ -30,6 +30,7 @@ on without it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
 import json
@@ -43,6 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,7 @@ from ...protocol.slots import SLOTS, slot_files
 from ...store.cgroups import HEADROOM, memory_short
 from ...store.files import format_size, write_file_atomic
 from .arena import HostArena, NotSnapshottable, Snapshot, round_up
+from .standing import Standing
 from .writer import payload_bytes
 
 __all__ = ["TierWriter", "BUDGET", "tier_room", "ENV_COPY_PAUSE"]
@@ -148,7 +151,11 @@ class TierWriter:
         self._gaps: deque[float] = deque(maxlen=15)
         self._stalls: deque[float] = deque(maxlen=5)
         self._nbytes = 0
-        self._thread: threading.Thread | None = None
+        #: Completes each slot after its copy: a thread that stays (standing.py), and the
+        #: slot it was last handed, and its own id, once it ran.
+        self._completer = Standing("procckpt-tier")
+        self._completing: Future[None] | None = None
+        self._completer_id: int | None = None
         self._said_every: int | None = None
         #: Whether the cadence goes to the log (in a group: rank 0's, the one that counts).
         self.says = True
@@ -199,8 +206,8 @@ class TierWriter:
 
     def busy(self) -> bool:
         """Whether the previous slot is still being completed (its thread not done)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
+        completing = self._completing
+        return completing is not None and not completing.done()
 
     def write_slot(self, meta: Callable[[], dict[str, Any]],
                    payload: Callable[[], dict[str, Any]], before: Callable[[], None]) -> None:
@@ -237,14 +244,11 @@ class TierWriter:
         self._next = (self._next + 1) % SLOTS
         self._since = 0
         self._nbytes = snapshot.nbytes
-        # The rest on a thread, once the compute that follows the safe point had the GIL
-        # and the cores (the copy's containers are its own: arena.py).
+        # The rest on the completing thread, once the compute that follows the safe point
+        # had the GIL and the cores (the copy's containers are its own: arena.py).
         wait = min(WRITE_WAIT * statistics.median(self._gaps), WRITE_WAIT_MAX) \
             if self._gaps else 0.0
-        self._thread = threading.Thread(target=self._complete,
-                                         args=(slot, snapshot, meta(), wait),
-                                         name="procckpt-tier", daemon=False)
-        self._thread.start()
+        self._completing = self._completer.submit(self._complete, slot, snapshot, meta(), wait)
         if slot.arena.allocations == allocations:  # (a pause that first made its file is
             self._stalls.append(time.perf_counter() - started)  # no measure of the next)
         if self._stalls and self._gaps:
@@ -254,6 +258,7 @@ class TierWriter:
                   wait: float) -> None:
         """After ``wait`` s, the slot's pickle, skeleton (once per layout) and manifest, once
         its bytes are in its data file (a GPU's copies landed)."""
+        self._completer_id = threading.get_ident()
         time.sleep(wait)
         try:
             snapshot.wait_copied()
@@ -305,19 +310,19 @@ class TierWriter:
                            "(--no-memory-tier says so without this line)", why)
         if self.journal is not None:
             append_event(self.journal, "memory-tier", off=why, root=str(self.root))
-        if self._thread is None or self._thread is threading.current_thread() \
-                or not self._thread.is_alive():
+        if not self.busy() or self._completer_id == threading.get_ident():
             for slot in self._slots:
                 slot.remove()
 
     def close(self) -> None:
-        """Wait for a slot being completed. Its thread is no daemon, so that a script that
-        exits (or raises) meanwhile waits for it too: a daemon thread inside ``torch.save``
-        when the interpreter ends aborts the process (SIGABRT, "terminate called without an
-        active exception") instead of exiting with the script's code."""
-        thread = self._thread
-        if thread is not None:
-            thread.join()
+        """Wait for a slot being completed. A script that exits (or raises) meanwhile waits
+        for it too, as the interpreter finishes what its standing threads were handed before it
+        ends: a daemon thread inside ``torch.save`` when the interpreter ends aborts the process
+        (SIGABRT, "terminate called without an active exception") instead of exiting with the
+        script's code."""
+        completing = self._completing
+        if completing is not None:
+            concurrent.futures.wait([completing])
 
 
 class _NotInSlot(Exception):
