@@ -3,6 +3,7 @@ its room check) and the launcher's checkpoint of the newest complete slot."""
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import time
@@ -17,7 +18,7 @@ from procckpt.protocol.events import read_events
 from procckpt.protocol.leftovers import sweep_dead
 from procckpt.protocol.slots import slots_newest_first
 from procckpt.store import CheckpointStore
-from procckpt.training.save.tier import TierWriter, tier_room
+from procckpt.training.save.tier import COPY_BUDGET, TierWriter, tier_room
 
 from .conftest import mounted_tmpfs
 
@@ -295,3 +296,27 @@ def test_a_tier_root_on_a_disk_is_refused(tmp_path: Path, monkeypatch,
     if on_memory:
         pytest.skip(f"{tmp_path} is on a memory file system here")
     assert "is not a memory file system (tmpfs)" in caplog.text
+
+
+def test_copies_slowed_with_the_steps_do_not_space_the_slots_after(tmp_path: Path):
+    """A spare importing torch beside the training slows its steps (100 ms) more than the
+    copies (14 ms); once the steps are quick again (25 ms, copies of 8 ms), the slots come
+    as often as those quick copies allow, not spaced by the slow copies still remembered."""
+    writer = _writer(tmp_path / "tier")
+    clock = [0.0]
+    writer._clock = lambda: clock[0]  # a slot's pause: what the copy adds to it (below)
+    now, written = 0.0, []
+    for step, (gap, copy) in enumerate([(0.1, 0.014)] * 200 + [(0.025, 0.008)] * 60):
+        now += gap
+        before = writer.slots
+        writer.at_safe_point(now, True, lambda: {"step": step, "epoch": 0, "batch": step},
+                             lambda: {"w": torch.zeros(1000)},
+                             lambda: clock.__setitem__(0, clock[0] + copy))  # noqa: B023
+        writer.close()
+        if writer.slots > before and gap < 0.1:
+            written.append(step)
+    quick = math.ceil(0.008 / 0.025 / COPY_BUDGET)  # what the quick copies allow: 36
+    assert writer.every <= quick
+    # Two slots of the quick steps suffice (planned on pauses and steps apart: the median
+    # pause was a slow copy's for three slots, every 63 steps).
+    assert len(written) >= 2 and written[1] - written[0] <= quick, written

@@ -15,8 +15,9 @@ was written again as a checkpoint by a thread at the lowest priority, 50-100 ms 
 seconds where another process (a warm restart's spare importing torch) held the cores.
 
 The cadence follows what a slot costs the training, measured (the pause at the safe point,
-all of it): a slot at every safe point where the median of the last five is at most 0.9 %
-of the time between safe points, else every k of them. (Of the 1 % the tier may take, a
+all of it, as a share of the time between the safe points of its moment): a slot at every
+safe point where the median of the last five shares is at most 0.9 %, else every k of
+them. (Of the 1 % the tier may take, a
 tenth is left for what a copy of the whole state leaves behind, the caches it emptied, and
 for pauses longer than their median.) A state on a GPU is copied on the side stream as a
 checkpoint's is; the thread waits for the copies to land.
@@ -150,6 +151,8 @@ class TierWriter:
         self._last_point: float | None = None
         self._gaps: deque[float] = deque(maxlen=15)
         self._stalls: deque[float] = deque(maxlen=5)
+        #: Each of those pauses as a share of the steps around it (see :meth:`_plan`).
+        self._shares: deque[float] = deque(maxlen=5)
         self._nbytes = 0
         #: Completes each slot after its copy: a thread that stays (standing.py), and the
         #: slot it was last handed, and its own id, once it ran.
@@ -159,6 +162,7 @@ class TierWriter:
         self._said_every: int | None = None
         #: Whether the cadence goes to the log (in a group: rank 0's, the one that counts).
         self.says = True
+        self._clock = time.perf_counter  # (a seam: a slot's pause, as a unit test sets it)
 
     @classmethod
     def from_environment(cls, journal: Path | None) -> TierWriter | None:
@@ -215,7 +219,7 @@ class TierWriter:
         room for the tier, once."""
         if self.off is not None:
             return
-        started = time.perf_counter()
+        started = self._clock()
         state = payload()
         if self.slots == 0 and not self._nbytes:
             self._nbytes = payload_bytes(state)
@@ -250,7 +254,10 @@ class TierWriter:
             if self._gaps else 0.0
         self._completing = self._completer.submit(self._complete, slot, snapshot, meta(), wait)
         if slot.arena.allocations == allocations:  # (a pause that first made its file is
-            self._stalls.append(time.perf_counter() - started)  # no measure of the next)
+            pause = self._clock() - started  # no measure of the next)
+            self._stalls.append(pause)
+            recent = statistics.median(list(self._gaps)[-5:]) if self._gaps else 0.0
+            self._shares.append(pause / recent if recent > 0 else math.inf)
         if self._stalls and self._gaps:
             self._plan()
 
@@ -280,10 +287,15 @@ class TierWriter:
 
     def _plan(self) -> None:
         step = statistics.median(self._gaps)
-        # The median: a few pauses slowed by another process (a warm restart's spare
-        # importing torch, just after a restart) would keep slots rare for long after it.
         pause = statistics.median(self._stalls)
-        every = max(1, math.ceil(pause / (COPY_BUDGET * step))) if step > 0 else 1
+        # Each pause is measured against the steps of its time: another process that takes
+        # the cores (a warm restart's spare importing torch, for seconds after a restart)
+        # slows the steps more than the copy. Planned on pauses and steps apart, the slow
+        # copies of that time, still in the median once the steps are quick again, spaced the
+        # slots by up to twice as many steps for seconds after it. The median of the shares:
+        # one pause slowed alone (a page cache flush) moves nothing.
+        share = statistics.median(self._shares) if self._shares else math.inf
+        every = max(1, math.ceil(share / COPY_BUDGET)) if math.isfinite(share) else 1
         self.every = every
         said = self._said_every
         # Said (and journalled) when new or moved by over half: the copy's time wavers.
