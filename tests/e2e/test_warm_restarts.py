@@ -18,7 +18,7 @@ from ..harness.processes import events
 
 WARM = {"PROCCKPT_WARM_RESTARTS": "1", "WARM_TEST_VAR": "from the user's shell"}
 SAME = ("argv", "orig_argv", "file", "name", "path0", "cwd", "var", "executable", "sigint",
-        "sigterm", "undrawn", "threads")
+        "sigterm", "undrawn", "threads", "scheduling")
 
 
 def _reference(workdir: Path) -> Path:

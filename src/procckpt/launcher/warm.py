@@ -50,9 +50,26 @@ _PER_CYCLE = frozenset({ctl.ENV_TOKEN, ctl.ENV_RESTART, ctl.ENV_CYCLE, ctl.ENV_R
 #: Then procckpt's training side rehearses a restore in miniature, so that the first calls of
 #: a restore are paid (training/state/rehearsal.py), and while it waits touches memory for the
 #: restore's copies (training/state/reserve.py).
+#:
+#: The imports and the rehearsal run with the spare's autogroup at nice 19, and the nice it
+#: had is put back before the spare waits (no privilege needed: a nice of 0 or more). Where
+#: the kernel groups processes by session for the scheduler (``sched_autogroup_enabled``,
+#: for processes outside a cgroup with a CPU controller), the spare, in a session of its own,
+#: weighed as much as the training's whole session: beside a training whose OpenMP threads
+#: wait for each other at every parallel region, the import left them one core of two for
+#: 2-3 s, and the training's steps took 3.5x as long (BENCHMARKS.md, session 55). A nice
+#: that cannot be put back ends the spare: the restart then starts cold.
 BOOTSTRAP = """\
 import os, sys
 _fd, sys.path[0] = int(sys.argv[1]), sys.argv[2]
+_nice = None
+try:
+    with open("/proc/self/autogroup") as _f:
+        _nice = int(_f.read().split()[-1])
+    with open("/proc/self/autogroup", "w") as _f:
+        _f.write("19")
+except (OSError, ValueError, IndexError):
+    pass
 try:
     import torch, torch.optim
     try:
@@ -63,10 +80,22 @@ except Exception:
     pass
 try:
     from procckpt.training.state.rehearsal import rehearse
-    from procckpt.training.state.reserve import wait_readable
     rehearse()
+    del rehearse
+except Exception:
+    pass
+if _nice is not None:
+    try:
+        with open("/proc/self/autogroup", "w") as _f:
+            _f.write(str(_nice))
+    except OSError:
+        os._exit(1)
+    del _f
+del _nice
+try:
+    from procckpt.training.state.reserve import wait_readable
     wait_readable(_fd)
-    del rehearse, wait_readable
+    del wait_readable
 except Exception:
     pass
 _chunks = []

@@ -25,6 +25,18 @@ UNDRAWN = torch.equal(torch.Generator().manual_seed(torch.initial_seed()).get_st
                       torch.get_rng_state())
 THREADS = len(os.listdir("/proc/self/task"))
 
+
+def _scheduling() -> list[object]:
+    """How the scheduler weighs this process: its policy, its nice and its session's
+    (autogroup's) nice, where the kernel has them. A spare imports at a lower weight
+    (launcher/warm.py) and must hand the script the one a cold start has."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            group = f.read().split()[-1]
+    except OSError:
+        group = None
+    return [os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), group]
+
 import procckpt  # noqa: E402
 
 
@@ -43,7 +55,7 @@ def main() -> None:
             "executable": sys.executable, "pid": os.getpid(), "pgid": os.getpgid(0),
             "sigint": str(signal.getsignal(signal.SIGINT)),
             "sigterm": str(signal.getsignal(signal.SIGTERM)), "undrawn": UNDRAWN,
-            "threads": THREADS}
+            "threads": THREADS, "scheduling": _scheduling()}
     lives = _note(Path(args.lives), life)
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
