@@ -65,9 +65,11 @@ _fd, sys.path[0] = int(sys.argv[1]), sys.argv[2]
 _nice = None
 try:
     with open("/proc/self/autogroup") as _f:
-        _nice = int(_f.read().split()[-1])
+        _had = int(_f.read().split()[-1])
     with open("/proc/self/autogroup", "w") as _f:
         _f.write("19")
+    _nice = _had  # (only once lowered: one that was never lowered is not put back)
+    del _had
 except (OSError, ValueError, IndexError):
     pass
 try:
