@@ -17,10 +17,10 @@ seconds where another process (a warm restart's spare importing torch) held the 
 The cadence follows what a slot costs the training, measured (the pause at the safe point,
 all of it, as a share of the time between the safe points of its moment): a slot at every
 safe point where the median of the last five shares is at most 0.9 %, else every k of
-them. (Of the 1 % the tier may take, a
-tenth is left for what a copy of the whole state leaves behind, the caches it emptied, and
-for pauses longer than their median.) A state on a GPU is copied on the side stream as a
-checkpoint's is; the thread waits for the copies to land.
+them. (Of the 1 % the tier may take, a tenth is left for what a copy of the whole state
+leaves behind, the caches it emptied, and for pauses longer than their median.) A state on
+a GPU is copied on the side stream as a checkpoint's is; the thread waits for the copies to
+land.
 
 Before the first slot, the room for it is checked (the memory file system, the machine, the
 cgroup), and each slot's file takes its room when it is made (``posix_fallocate``), so that
@@ -294,7 +294,7 @@ class TierWriter:
         # copies of that time, still in the median once the steps are quick again, spaced the
         # slots by up to twice as many steps for seconds after it. The median of the shares:
         # one pause slowed alone (a page cache flush) moves nothing.
-        share = statistics.median(self._shares) if self._shares else math.inf
+        share = statistics.median(self._shares)  # (appended with every pause)
         every = max(1, math.ceil(share / COPY_BUDGET)) if math.isfinite(share) else 1
         self.every = every
         said = self._said_every
