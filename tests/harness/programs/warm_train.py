@@ -32,9 +32,11 @@ def _scheduling() -> list[object]:
     (launcher/warm.py) and must hand the script the one a cold start has."""
     try:
         with open("/proc/self/autogroup") as f:
-            group = f.read().split()[-1]
+            said = f.read().split()
     except OSError:
-        group = None
+        said = []
+    # Empty for a process in the default group (one whose session began at boot).
+    group = said[-1] if said else None
     return [os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0), group]
 
 import procckpt  # noqa: E402
