@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import torch
 
 from ...store.checksum import crc32
-from ..save.arena import madvise as _madvise
 from ..save.writer import tensors_of
 from . import reserve
 from .contents import plain_print
@@ -129,9 +128,6 @@ def private_copy(obj: Any) -> Any:
     return obj
 
 
-_MADV_POPULATE_READ = 22  # Linux 5.14; older kernels answer EINVAL and faults do the work
-
-
 def _file_mapping(path: Path, address: int, size: int) -> int | None:
     """The start of this process's mapping of ``path`` (from file offset 0, at least ``size``
     bytes) that contains ``address``, from /proc/self/maps; None if there is none."""
@@ -167,11 +163,16 @@ class MappedVerification:
     on the mapping itself, while the caller loads from the same mapping.
 
     Verifying first and loading after would read the file, then go over it a second time;
-    here the thread keeps the kernel reading ahead, checksums each piece as it lands in the
-    page cache (populating the mapping's page tables as it goes), and ``load_state_dict``
-    copies from pages that are already there. The caller must treat what it loaded as
-    unverified until :meth:`result` returns None, and load something else (or give up) if
-    it does not. Where the mapping cannot be found (another torch), the file is read instead.
+    here the thread keeps the kernel reading ahead and checksums each piece as it lands in
+    the page cache, and ``load_state_dict`` copies from pages that are already there. The
+    caller must treat what it loaded as unverified until :meth:`result` returns None, and
+    load something else (or give up) if it does not. Where the mapping cannot be found
+    (another torch), the file is read instead.
+
+    The thread lets the page faults map the pages (64 KiB at a time, the kernel's fault-
+    around) rather than populate the page tables ahead (``MADV_POPULATE_READ``): beside the
+    load's copies, populating took 5-6 ms of the thread's 12 for 64 MB, and the restore of
+    a stepped optimizer ran at 3.64 GB/s without it against 2.67 (BENCHMARKS.md).
     """
 
     def __init__(self, payload: Any, path: Path, nbytes: int, expected_crc: int) -> None:
@@ -231,8 +232,6 @@ class MappedVerification:
                         os.posix_fadvise(fd, requested, _READ_STEP, os.POSIX_FADV_WILLNEED)
                     requested += _READ_STEP
                 length = min(_READ_STEP, n - start)
-                if _madvise is not None:  # page tables in one call, not a fault per 64 KiB
-                    _madvise(base + start, length, _MADV_POPULATE_READ)
                 crc = crc32(view[start:start + length], crc)
             return crc
         finally:
