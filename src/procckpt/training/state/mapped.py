@@ -231,8 +231,7 @@ class MappedVerification:
                     with contextlib.suppress(OSError):
                         os.posix_fadvise(fd, requested, _READ_STEP, os.POSIX_FADV_WILLNEED)
                     requested += _READ_STEP
-                length = min(_READ_STEP, n - start)
-                crc = crc32(view[start:start + length], crc)
+                crc = crc32(view[start:start + _READ_STEP], crc)  # (the last piece: shorter)
             return crc
         finally:
             os.close(fd)
