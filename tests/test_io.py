@@ -182,6 +182,21 @@ def test_capture_is_a_copy_that_training_cannot_change() -> None:
     assert isinstance(snap.payload["pair"], Pair)
 
 
+def test_a_copy_shared_between_threads_lands_every_byte_once() -> None:
+    # Over _PARALLEL_COPY_MIN, in pieces the threads take in turn: sizes that are no multiple
+    # of a piece, an empty tensor and a one-byte one among them.
+    state = {"big": torch.randint(0, 255, (9_000_001,), dtype=torch.uint8),
+             "odd": torch.randn(777_777), "empty": torch.empty(0), "one": torch.ones(1,
+             dtype=torch.uint8), "half": torch.randn(300_001, dtype=torch.float16)}
+    arena = HostArena()
+    for _ in range(2):
+        snap = arena.capture(state)
+        for name, tensor in state.items():
+            assert torch.equal(snap.payload[name], tensor), name
+        for tensor in state.values():
+            tensor.add_(1)
+
+
 def test_the_arena_is_allocated_once_and_reused() -> None:
     arena = HostArena()
     weights = {"a": torch.randn(1000, 300), "b": torch.randn(50)}
