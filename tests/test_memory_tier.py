@@ -34,7 +34,7 @@ def _slot(writer: TierWriter, step: int, payload: dict | None = None, **meta: ob
                                **meta},
                       lambda: payload or {"w": torch.full((1000,), float(step)),
                                           "n": {"step": step, "name": "x" * step}},
-                      lambda: None)
+                      lambda _: None)
     writer.close()
     assert writer.off is None, writer.off
 
@@ -113,7 +113,7 @@ def test_a_slot_is_completed_after_the_step_began_and_torn_until_then(tmp_path: 
     state = {"w": torch.randn(1 << 16)}
     for step in (1, 2):  # steps of 0.6 s (a slot is due at the second safe point)
         writer.at_safe_point(step * 0.6, True, lambda: {"step": 2, "epoch": 0, "batch": 2},
-                             lambda: state, lambda: None)
+                             lambda: state, lambda _: None)
     copied = time.monotonic()
     assert writer.busy() and slots_newest_first(tmp_path / "tier") == []
     writer.close()
@@ -148,11 +148,11 @@ def test_a_memory_file_system_filled_after_the_check_turns_the_tier_off(tmp_path
     with mounted_tmpfs(tmp_path / "small", "1m") as small:
         writer = _writer(small / "tier")
         state = {"w": torch.zeros(60_000)}  # 240 kB a slot
-        writer.write_slot(lambda: {"step": 1}, lambda: state, lambda: None)
+        writer.write_slot(lambda: {"step": 1}, lambda: state, lambda _: None)
         writer.close()
         assert writer.off is None and writer.slots == 1
         (small / "filler").write_bytes(bytes(700_000))
-        writer.write_slot(lambda: {"step": 2}, lambda: state, lambda: None)
+        writer.write_slot(lambda: {"step": 2}, lambda: state, lambda _: None)
         writer.close()
         assert writer.off is not None and "is the memory file system full?" in writer.off
         assert not list((small / "tier").iterdir())  # its slots given back
@@ -170,7 +170,7 @@ def test_a_slot_is_written_every_k_safe_points_as_its_copy_allows(tmp_path: Path
 
     def safe_point(now: float) -> None:
         writer.at_safe_point(now, True, lambda: {"step": step, "epoch": 0, "batch": step},
-                             lambda: state, lambda: None)
+                             lambda: state, lambda _: None)
 
     for step in range(1, 30):
         safe_point(step * 0.01)  # steps of 10 ms: 1 % is 0.1 ms, less than any copy
@@ -241,8 +241,8 @@ def test_ranks_write_slots_only_where_the_group_agreed(tmp_path: Path, monkeypat
     assert zero is not None and one is not None
     meta = lambda: {"step": 4, "epoch": 0, "batch": 4}  # noqa: E731
     for tier in (zero, one):
-        tier.at_safe_point(0.0, None, True, _Member(), meta, lambda: None)
-        tier.at_safe_point(0.1, None, True, _Member(), meta, lambda: None)
+        tier.at_safe_point(0.0, None, True, _Member(), meta, lambda _: None)
+        tier.at_safe_point(0.1, None, True, _Member(), meta, lambda _: None)
     flags = [Flags(), Flags()]
     zero.mark(flags[0])
     one.mark(flags[1])
@@ -250,11 +250,11 @@ def test_ranks_write_slots_only_where_the_group_agreed(tmp_path: Path, monkeypat
     # A rank still writing its last slot: nobody writes one.
     busy = Flags(tier_due=True, tier_busy=True)
     for tier in (zero, one):
-        tier.at_safe_point(0.2, busy, True, _Member(), meta, lambda: None)
+        tier.at_safe_point(0.2, busy, True, _Member(), meta, lambda _: None)
         tier.close()
     assert not any(slots_newest_first(tmp_path / r) for r in ("rank-00000", "rank-00001"))
     for tier in (zero, one):
-        tier.at_safe_point(0.3, Flags(tier_due=True), True, _Member(), meta, lambda: None)
+        tier.at_safe_point(0.3, Flags(tier_due=True), True, _Member(), meta, lambda _: None)
         tier.close()
     kept = LauncherTier(tmp_path).keep_newest(CheckpointStore(tmp_path / "ckpt").open(), 1)
     assert kept is not None and kept.step == 4
@@ -265,7 +265,7 @@ def test_ranks_write_slots_only_where_the_group_agreed(tmp_path: Path, monkeypat
     zero.mark(flags[0])
     one.mark(flags[1])
     assert flags[1].tier_off
-    zero.at_safe_point(0.4, Flags(tier_off=True), True, _Member(), meta, lambda: None)
+    zero.at_safe_point(0.4, Flags(tier_off=True), True, _Member(), meta, lambda _: None)
     assert zero.writer.off is not None
     assert GroupTier.from_environment(None, 0, 2, sharded=True) is None
 
@@ -311,7 +311,7 @@ def test_copies_slowed_with_the_steps_do_not_space_the_slots_after(tmp_path: Pat
         before = writer.slots
         writer.at_safe_point(now, True, lambda: {"step": step, "epoch": 0, "batch": step},
                              lambda: {"w": torch.zeros(1000)},
-                             lambda: clock.__setitem__(0, clock[0] + copy))  # noqa: B023
+                             lambda _: clock.__setitem__(0, clock[0] + copy))  # noqa: B023
         writer.close()
         if writer.slots > before and gap < 0.1:
             written.append(step)

@@ -110,7 +110,7 @@ def test_a_spare_touches_its_region_once_the_tier_holds_a_slot(tmp_path: Path, m
         assert waiter.is_alive() and reserve.held() == 0  # no slot yet: nothing touched
         writer = TierWriter.opened(tier, None)
         writer.write_slot(lambda: {"step": 3, "epoch": 0, "batch": 3, "reason": "memory"},
-                          lambda: {"w": torch.zeros(50_000)}, lambda: None)
+                          lambda: {"w": torch.zeros(50_000)}, lambda _: None)
         writer.close()
         assert writer.slots == 1, writer.off
         waiter.join(2.0)

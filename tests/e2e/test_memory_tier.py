@@ -114,6 +114,8 @@ def test_a_training_killed_twice_resumes_from_the_memory_tier_bit_identical(work
     # the steps lost.
     assert 0 < kept[0]["step"] <= kills[0] < kept[1]["step"] <= kills[1], (kills, kept)
     assert [e["step"] for e in events(ckpt, "resume")] == [k["step"] for k in kept]
+    audits = events(ckpt, "audit")  # each resume's first batch: the one its slot recorded
+    assert [(a["step"], a["verdict"]) for a in audits] == [(k["step"], "same") for k in kept]
     assert "restarting at once (it saved a checkpoint in this cycle" in stderr, stderr[-3000:]
     assert_bit_identical(expected, out)
     assert not _tier_root(ckpt).exists()  # the launcher removed its tier at the end

@@ -71,6 +71,10 @@ def test_a_restart_after_a_crash_starts_warm_and_the_script_cannot_tell(workdir:
     else:
         assert first["path0"] == str(PROGRAMS) and first["name"] == "__main__", first
     assert first["var"] == "from the user's shell"
+    # Each resume's first step started from what the kept state recorded (its random
+    # streams: the slot's own, as the audit noted them when the slot was copied).
+    audits = events(ckpt, "audit")
+    assert [a["verdict"] for a in audits] == ["same", "same"], audits
     status = run([*procckpt_argv(), "status", str(ckpt)], cwd=workdir)
     assert "(warm: torch was imported)" in status.stdout, status.stdout
     _spares_gone(done.stderr)

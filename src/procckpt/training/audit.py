@@ -143,7 +143,7 @@ class BatchAudit:
         self._live: _AuditedPass | None = None
         #: In a ``steps()`` loop: what a step starts from (the random streams, ckpt.extras),
         #: which stands for the batch the script fetches itself.
-        self._inputs: Callable[[], Any] | None = None
+        self._inputs: Callable[[dict[str, Any] | None], Any] | None = None
         self._steps_alone = False
         self._expected: _Expected | None = None
         #: The state the first step after a resume must start from (state/first_step.py).
@@ -171,10 +171,11 @@ class BatchAudit:
         self._live = _AuditedPass(iterator, self, progress)
         return self._live
 
-    def steps_open(self, inputs: Callable[[], Any], alone: bool) -> None:
+    def steps_open(self, inputs: Callable[[dict[str, Any] | None], Any], alone: bool) -> None:
         """A ``steps()`` loop begins, its steps' data fetched by the script: what each step
         starts from, ``inputs()`` (the random streams its data is drawn with, the batch it
-        fetched ahead into ckpt.extras), is recorded and compared instead. ``alone``: not
+        fetched ahead into ckpt.extras), is recorded and compared instead: ``inputs(streams)``,
+        with the random streams captured at this safe point already, if any. ``alone``: not
         inside ``epochs()``, so no epoch's code runs between a checkpoint and the next step."""
         if self.on:
             self._live, self._inputs, self._steps_alone = None, inputs, alone
@@ -186,9 +187,9 @@ class BatchAudit:
         if self._inputs is None:
             return
         if self._expected is not None or self._state is not None:
-            self._check(key, self._inputs(), iterators_held(loop))
+            self._check(key, self._inputs(None), iterators_held(loop))
         if key == self._pending:
-            self._record(key, self._inputs())
+            self._record(key, self._inputs(None))
 
     def expect_state(self, expectation: StateExpectation | None) -> None:
         """The state the first step after this resume must start from (compared when it
@@ -197,8 +198,10 @@ class BatchAudit:
             self._state = expectation
 
     # -- the run that takes checkpoints -------------------------------------------------------
-    def saved(self, key: Key) -> None:
-        """A checkpoint is being taken at ``key``: the next batch is its to record."""
+    def saved(self, key: Key, streams: dict[str, Any] | None = None) -> None:
+        """A checkpoint is being taken at ``key``: the next batch is its to record.
+        ``streams``: the random streams the checkpoint holds, captured at this safe point (a
+        ``steps()`` loop's step starts from them: they need not be captured again)."""
         if not self.on:
             return
         self._pending = key
@@ -206,7 +209,7 @@ class BatchAudit:
             # steps(): the next step starts from what is there now, unless the code of the
             # next epoch's start runs first (then it is recorded as that step starts).
             if self._steps_alone or key[1] > 0:
-                self._record(key, self._inputs())
+                self._record(key, self._inputs(streams))
             return
         for seen, item in self._recent:
             if seen == key:  # handed out ahead, before the checkpoint: not trained on yet

@@ -405,15 +405,17 @@ class Checkpointer:
                 self._dist.tier = None  # (no rank brings it to the agreement any more)
             return
         position = self._progress.position
+
+        def note(state: dict[str, Any]) -> None:  # (the streams the slot holds: see saved())
+            self._audit.saved(position, state.get("rng"))
+
         if isinstance(self._tier, GroupTier):
             saved = agreed is not None and self._triggers.reason_for(agreed) is not None
             self._tier.at_safe_point(now, agreed, not defer and not saved, self._member,
-                                     lambda: self._meta("memory"),
-                                     lambda: self._audit.saved(position))
+                                     lambda: self._meta("memory"), note)
             return
         self._tier.at_safe_point(now, not defer and self._saves.saved_at != position,
-                                 lambda: self._meta("memory"), self._payload,
-                                 lambda: self._audit.saved(position))
+                                 lambda: self._meta("memory"), self._payload, note)
 
     def _act_at_safe_point(self, now: float, epoch_end: bool,
                            defer: bool = False) -> Flags | None:

@@ -134,12 +134,14 @@ def _handed_out_its_last(loader: Any) -> bool:
     return getattr(loader, "end_of_dataloader", False) is True
 
 
-def step_inputs(ck: Any) -> dict[str, Any]:
+def step_inputs(ck: Any, streams: dict[str, Any] | None = None) -> dict[str, Any]:
     """What a step of ``steps()`` starts from, beside its number: the random streams it draws
     its data with (Python's and torch's CPU one: NumPy's and CUDA's exist in one process and
-    not in another, as the script imports or starts them) and what the script keeps in
-    ``ckpt.extras`` (a batch fetched ahead)."""
-    streams = capture_rng()
+    not in another, as the script imports or starts them; ``streams``: as captured at this
+    safe point already) and what the script keeps in ``ckpt.extras`` (a batch fetched
+    ahead)."""
+    if streams is None:
+        streams = capture_rng()
     return {"python": streams["python"], "torch": streams["torch"], "extras": ck.extras}
 
 
@@ -150,7 +152,8 @@ def steps(ck: Any, total: int) -> Iterator[int]:
     ck._progress.check_streams(ck._journal)
     numbers = progress.open_range(total)
     alone = not progress.in_epochs
-    ck._audit.steps_open(lambda: step_inputs(ck), alone)  # audit.py: for the script's batch
+    # audit.py: what a step starts from stands for the batch the script fetches itself
+    ck._audit.steps_open(lambda streams: step_inputs(ck, streams), alone)
     if alone and progress.step >= total:
         if ck.resumed_from is not None:
             logger.info("training already finished (step %d of %d); nothing to do",

@@ -75,7 +75,8 @@ class GroupTier:
         flags.tier_off = writer.off is not None
 
     def at_safe_point(self, now: float, agreed: Flags | None, write: bool, ck: GroupMember,
-                      meta: Callable[[], dict[str, Any]], before: Callable[[], None]) -> None:
+                      meta: Callable[[], dict[str, Any]],
+                      before: Callable[[dict[str, Any]], None]) -> None:
         """Count a safe point; at an agreement step (``agreed``) where the group wants a slot
         and ``write`` (no checkpoint was taken here, alike on every rank), write this rank's
         part of it."""

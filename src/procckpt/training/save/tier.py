@@ -188,9 +188,10 @@ class TierWriter:
 
     def at_safe_point(self, now: float, write: bool, meta: Callable[[], dict[str, Any]],
                       payload: Callable[[], dict[str, Any]],
-                      before: Callable[[], None]) -> None:
+                      before: Callable[[dict[str, Any]], None]) -> None:
         """Count a safe point; with ``write`` (no checkpoint was taken here), write a slot
-        when its turn came. ``before`` runs just before a slot is copied (the audit's note)."""
+        when its turn came. ``before(state)`` runs just before a slot of ``state`` is copied
+        (the audit's note)."""
         self.count(now, write)
         if write and self.due() and not self.busy():
             self.write_slot(meta, payload, before)
@@ -214,7 +215,8 @@ class TierWriter:
         return completing is not None and not completing.done()
 
     def write_slot(self, meta: Callable[[], dict[str, Any]],
-                   payload: Callable[[], dict[str, Any]], before: Callable[[], None]) -> None:
+                   payload: Callable[[], dict[str, Any]],
+                   before: Callable[[dict[str, Any]], None]) -> None:
         """Copy the state into the next slot (the pause) and complete it; first check the
         room for the tier, once."""
         if self.off is not None:
@@ -231,7 +233,7 @@ class TierWriter:
         with contextlib.suppress(FileNotFoundError):
             slot.manifest.unlink()  # torn from here until its new manifest is in place
         started += _pause_for_tests()  # (a seam: not the tier's cost)
-        before()
+        before(state)
         allocations = slot.arena.allocations
         try:
             snapshot = slot.arena.capture(state)
