@@ -300,13 +300,13 @@ def test_a_tier_root_on_a_disk_is_refused(tmp_path: Path, monkeypatch,
 
 def test_copies_slowed_with_the_steps_do_not_space_the_slots_after(tmp_path: Path):
     """A spare importing torch beside the training slows its steps (100 ms) more than the
-    copies (14 ms); once the steps are quick again (25 ms, copies of 8 ms), the slots come
+    copies (14 ms); once the steps are quick again (25 ms, copies of 7.5 ms), the slots come
     as often as those quick copies allow, not spaced by the slow copies still remembered."""
     writer = _writer(tmp_path / "tier")
     clock = [0.0]
     writer._clock = lambda: clock[0]  # a slot's pause: what the copy adds to it (below)
     now, written = 0.0, []
-    for step, (gap, copy) in enumerate([(0.1, 0.014)] * 200 + [(0.025, 0.008)] * 60):
+    for step, (gap, copy) in enumerate([(0.1, 0.014)] * 200 + [(0.025, 0.0075)] * 60):
         now += gap
         before = writer.slots
         writer.at_safe_point(now, True, lambda: {"step": step, "epoch": 0, "batch": step},
@@ -315,7 +315,7 @@ def test_copies_slowed_with_the_steps_do_not_space_the_slots_after(tmp_path: Pat
         writer.close()
         if writer.slots > before and gap < 0.1:
             written.append(step)
-    quick = math.ceil(0.008 / 0.025 / COPY_BUDGET)  # what the quick copies allow: 36
+    quick = math.ceil(0.0075 / 0.025 / COPY_BUDGET)  # what the quick copies allow: 38
     assert writer.every <= quick
     # Two slots of the quick steps suffice (planned on pauses and steps apart: the median
     # pause was a slow copy's for three slots, every 63 steps).
